@@ -1,0 +1,26 @@
+"""DFlash block-diffusion speculative decoding for Hugging Face Transformers.
+
+Importing this package registers `model_type="dflash"` with `AutoConfig`/`AutoModel` and routes
+`target.generate(..., assistant_model=<DFlashDraftModel>)` to the DFlash loop.
+"""
+
+from transformers import AutoConfig, AutoModel
+
+from .generation import AcceptanceStats, DFlashCandidateGenerator, DFlashGenerateOutput, check_pairing
+from .generation.hook import install_generate_hook
+from .modeling_dflash import DFlashConfig, DFlashDraftModel
+
+AutoConfig.register("dflash", DFlashConfig, exist_ok=True)
+AutoModel.register(DFlashConfig, DFlashDraftModel, exist_ok=True)
+install_generate_hook()
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AcceptanceStats",
+    "DFlashCandidateGenerator",
+    "DFlashConfig",
+    "DFlashDraftModel",
+    "DFlashGenerateOutput",
+    "check_pairing",
+]

@@ -1,0 +1,5 @@
+from .candidate_generator import AcceptanceStats, DFlashCandidateGenerator
+from .decoding import DFlashGenerateOutput, dflash_decoding
+from .pairing import check_pairing
+
+__all__ = ["AcceptanceStats", "DFlashCandidateGenerator", "DFlashGenerateOutput", "check_pairing", "dflash_decoding"]

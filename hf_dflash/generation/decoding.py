@@ -1,0 +1,167 @@
+"""The DFlash decoding loop that `generate` runs when the assistant is a DFlash drafter.
+
+It keeps `generate`'s own preparation (generation config, logits processors, stopping criteria,
+cache, streamer) and the `CandidateGenerator` contract, and replaces the built-in assisted loop
+(Transformers 5.23-5.24) where that loop is not lossless or not lean enough for DFlash:
+  - every stopping criterion (EOS, stop strings, max time, custom) is checked after EACH committed
+    token, so a stop met inside an accepted block ends the output exactly where plain decoding does;
+  - drafts never extend past `max_length`;
+  - target logits processors run once over the block when they do not read input_ids;
+  - `return_dict_in_generate` with `output_hidden_states`/`output_scores`/`output_logits` works;
+  - acceptance statistics are returned (`DFlashGenerateOutput.acceptance_lengths`) and kept on the
+    drafter (`drafter.last_acceptance`).
+"""
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.candidate_generator import (
+    _prepare_attention_mask,
+    _prepare_position_ids,
+    _prepare_token_type_ids,
+)
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .candidate_generator import DFlashCandidateGenerator
+from .verification import greedy_accept, process_block_logits, speculative_sample
+
+
+@dataclass
+class DFlashGenerateOutput(GenerateDecoderOnlyOutput):
+    """`GenerateDecoderOnlyOutput` plus `acceptance_lengths` (τ of each verification round)."""
+
+    acceptance_lengths: list[int] | None = None
+
+
+def count_until_stop(stopping_criteria, sequence: torch.LongTensor, start: int, scores) -> tuple[int, bool]:
+    """Number of tokens of sequence[:, start:] to keep: stop at the first prefix that meets a criterion.
+
+    sequence (1, L). Returns (kept, stopped).
+    """
+    for end in range(start + 1, sequence.shape[1] + 1):
+        if bool(stopping_criteria(sequence[:, :end], scores).any()):
+            return end - start, True
+    return sequence.shape[1] - start, False
+
+
+def dflash_decoding(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    inputs_tensor=None,
+    assistant_model=None,
+    assistant_tokenizer=None,
+    tokenizer=None,
+    **model_kwargs,
+):
+    """Same signature and return types as `GenerationMixin._assisted_decoding` (batch size 1)."""
+    if input_ids.shape[0] != 1:
+        raise ValueError(
+            f"DFlash generation supports batch size 1 for now, got {input_ids.shape[0]} rows; "
+            "loop over prompts (batched DFlash is planned)."
+        )
+    if generation_config.output_attentions:
+        raise ValueError("output_attentions=True is not supported with a DFlash assistant; drop it.")
+    if model.config.is_encoder_decoder:
+        raise ValueError("DFlash drafters serve decoder-only targets; this target is encoder-decoder.")
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if cache is None:
+        raise ValueError("DFlash generation needs a target cache; do not pass use_cache=False.")
+
+    generator = DFlashCandidateGenerator(assistant_model, model, generation_config, logits_processor)
+    overrides = dict(generation_config.output_hidden_states and {"output_hidden_states": True} or {})
+    overrides = overrides or generator.model_kwargs_overrides
+    want_dict = generation_config.return_dict_in_generate
+    scores = () if want_dict and generation_config.output_scores else None
+    raw_logits = () if want_dict and generation_config.output_logits else None
+    hidden_states = () if want_dict and generation_config.output_hidden_states else None
+
+    outputs, is_first_iteration, num_matches, stopped = None, True, 0, False
+    while not stopped:
+        cur_len = input_ids.shape[1]
+        candidate_ids, draft_scores = generator.get_candidates(
+            input_ids,
+            model_kwargs=model_kwargs,
+            model_outputs=outputs,
+            is_first_iteration=is_first_iteration,
+            n_last_matches=num_matches,
+        )
+        num_drafts = candidate_ids.shape[1] - cur_len
+
+        # Verify: one target forward over [bonus, drafts] (the whole prompt on the first round).
+        candidate_kwargs = _prepare_attention_mask(copy.copy(model_kwargs), candidate_ids.shape[1], False)
+        candidate_kwargs = _prepare_token_type_ids(candidate_kwargs, candidate_ids.shape[1])
+        if candidate_kwargs.get("position_ids") is not None and num_drafts > 0:
+            new_length = num_drafts + candidate_kwargs["position_ids"].shape[-1]
+            candidate_kwargs = _prepare_position_ids(candidate_kwargs, new_length, False)
+        model_inputs = model.prepare_inputs_for_generation(
+            candidate_ids,
+            next_sequence_length=None if is_first_iteration else num_drafts + 1,
+            is_first_iteration=is_first_iteration,
+            **candidate_kwargs,
+        )
+        if "logits_to_keep" in model_inputs:
+            model_inputs["logits_to_keep"] = num_drafts + 1
+        model_inputs |= overrides
+        outputs = model(**model_inputs)
+
+        target_logits = outputs.logits[:, -num_drafts - 1 :].float()
+        processed = process_block_logits(logits_processor, candidate_ids, target_logits, start=cur_len)
+        if generation_config.do_sample:
+            target_probs = processed.softmax(-1)
+            if num_drafts:
+                new_tokens = speculative_sample(candidate_ids[:, cur_len:], draft_scores, target_probs)
+            else:
+                new_tokens = torch.multinomial(target_probs[0], 1).view(1, -1)
+        else:
+            new_tokens = greedy_accept(candidate_ids[:, cur_len:], processed.argmax(-1))
+
+        # Commit token by token up to the first stop (EOS, stop string, length, time, custom).
+        sequence = torch.cat([input_ids, new_tokens], dim=-1)
+        kept, stopped = count_until_stop(stopping_criteria, sequence, cur_len, scores)
+        input_ids = sequence[:, : cur_len + kept]
+        num_matches = kept - 1
+        if streamer is not None:
+            streamer.put(input_ids[:, cur_len:].cpu())
+        # The target cache holds cur_len + num_drafts tokens; drop those after the last accepted draft.
+        cache.crop(-(num_drafts - num_matches))
+        model_kwargs = model._update_model_kwargs_for_generation(
+            outputs, model_kwargs, is_encoder_decoder=False, num_new_tokens=kept
+        )
+        if not is_first_iteration:
+            generator.update_candidate_strategy(input_ids, processed, num_matches)
+
+        if scores is not None:
+            scores += tuple(processed[:, i] for i in range(kept))
+        if raw_logits is not None:
+            raw_logits += tuple(target_logits[:, i] for i in range(kept))
+        if hidden_states is not None:
+            hidden_states += split_hidden_states(outputs.hidden_states, cur_len, kept, is_first_iteration)
+        is_first_iteration = False
+
+    if streamer is not None:
+        streamer.end()
+    assistant_model.last_acceptance = generator.stats
+    if not want_dict:
+        return input_ids
+    return DFlashGenerateOutput(
+        sequences=input_ids,
+        scores=scores,
+        logits=raw_logits,
+        hidden_states=hidden_states,
+        cache=cache,
+        acceptance_lengths=list(generator.stats.acceptance_lengths),
+    )
+
+
+def split_hidden_states(layer_states: tuple, cur_len: int, kept: int, is_first_iteration: bool) -> tuple:
+    """Per-token hidden states as plain decoding returns them: the prefill step covers the prompt and
+    the first token; every later token gets its own (B, 1, H) slice per layer."""
+    if is_first_iteration:
+        return (tuple(h[:, :cur_len] for h in layer_states),)
+    return tuple(tuple(h[:, t : t + 1] for h in layer_states) for t in range(kept))

@@ -1,0 +1,112 @@
+"""Pure functions of one verification step: logits processing, greedy acceptance, speculative sampling.
+
+Shapes: B = batch (1 for now), k = drafted tokens this round, V = vocabulary.
+"""
+
+import torch
+from transformers import LogitsProcessorList
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+# Processors whose output depends only on the scores, never on input_ids (checked against
+# Transformers 5.23-5.24): they can process every position of a block in one vectorised call.
+POSITION_INDEPENDENT_PROCESSORS = (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+    TypicalLogitsWarper,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+)
+
+
+def is_position_independent(logits_processor: LogitsProcessorList | None) -> bool:
+    return all(isinstance(p, POSITION_INDEPENDENT_PROCESSORS) for p in logits_processor or ())
+
+
+def process_block_logits(
+    logits_processor: LogitsProcessorList | None, sequence: torch.LongTensor, logits: torch.Tensor, start: int
+) -> torch.Tensor:
+    """Apply `logits_processor` to each of the T positions of a block, exactly as step-by-step decoding would.
+
+    sequence (B, L) holds the tokens; logits (B, T, V) are the scores for the tokens at positions
+    start, start+1, ..., so position t is processed with prefix sequence[:, :start + t].
+    Returns float32 (B, T, V). Position-independent processors run once over all positions;
+    others (repetition penalty, min length, ...) run per position with the right prefix.
+    """
+    logits = logits.float()
+    if not logits_processor:
+        return logits
+    batch, length, vocab = logits.shape
+    if is_position_independent(logits_processor):
+        flat = logits_processor(sequence[:, :start].repeat_interleave(length, 0), logits.reshape(batch * length, vocab))
+        return flat.view(batch, length, vocab)
+    return torch.stack(
+        [logits_processor(sequence[:, : start + t], logits[:, t]) for t in range(length)], dim=1
+    )
+
+
+def process_draft_logits(
+    logits_processor: LogitsProcessorList | None, sequence: torch.LongTensor, logits: torch.Tensor
+) -> torch.Tensor:
+    """Apply `logits_processor` to all k draft positions at once with the committed prefix (B, L).
+
+    logits (B, k, V) -> float32 (B, k, V). Drafts only need *a* well-defined distribution (the
+    verification step corrects it), so one vectorised call replaces a per-token loop.
+    """
+    logits = logits.float()
+    if not logits_processor:
+        return logits
+    batch, length, vocab = logits.shape
+    flat = logits_processor(sequence.repeat_interleave(length, 0), logits.reshape(batch * length, vocab))
+    return flat.view(batch, length, vocab)
+
+
+def greedy_accept(draft_tokens: torch.LongTensor, target_tokens: torch.LongTensor) -> torch.LongTensor:
+    """Longest prefix of the drafts that the target agrees with, plus the target's next token.
+
+    draft_tokens (1, k); target_tokens (1, k+1): the target's argmax after each prefix.
+    Returns (1, n+1) with 0 <= n <= k.
+    """
+    mismatch = (draft_tokens != target_tokens[:, :-1]).int()
+    num_accepted = int((mismatch.cumsum(-1) == 0).sum())
+    return target_tokens[:, : num_accepted + 1]
+
+
+def speculative_sample(
+    draft_tokens: torch.LongTensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> torch.LongTensor:
+    """Leviathan et al. rejection sampling: the output is distributed exactly as the target samples.
+
+    draft_tokens (1, k) were sampled from draft_probs (1, k, V); target_probs (1, k+1, V).
+    Draft i is kept with probability min(1, p_i/q_i); the first rejected slot is resampled from
+    normalise(max(p_i - q_i, 0)); if all are kept, a bonus token is sampled from p_k.
+    Returns (1, n+1).
+    """
+    k = draft_tokens.shape[1]
+    index = draft_tokens[0]
+    p = target_probs[0, torch.arange(k), index]
+    q = draft_probs[0, torch.arange(k), index]
+    uniform = torch.rand(k, device=p.device, generator=generator)
+    rejected = (uniform * q >= p).nonzero()
+    if rejected.numel() == 0:
+        bonus = torch.multinomial(target_probs[0, k], 1, generator=generator)
+        return torch.cat([draft_tokens[0], bonus])[None]
+    n = int(rejected[0, 0])
+    residual = (target_probs[0, n] - draft_probs[0, n]).clamp_min(0)
+    total = residual.sum()
+    # q == p at this slot up to rounding: the residual vanishes, p itself is the right distribution
+    residual = residual / total if total > 0 else target_probs[0, n]
+    correction = torch.multinomial(residual, 1, generator=generator)
+    return torch.cat([draft_tokens[0, :n], correction])[None]
