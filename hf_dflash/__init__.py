@@ -12,6 +12,9 @@ from .modeling_dflash import DFlashConfig, DFlashDraftModel
 
 AutoConfig.register("dflash", DFlashConfig, exist_ok=True)
 AutoModel.register(DFlashConfig, DFlashDraftModel, exist_ok=True)
+# save_pretrained then writes auto_map and copies the two self-contained files (Hub remote code).
+DFlashConfig.register_for_auto_class()
+DFlashDraftModel.register_for_auto_class("AutoModel")
 install_generate_hook()
 
 __version__ = "0.1.0"

@@ -27,11 +27,6 @@ from safetensors.torch import load_file, save_file
 
 from .modeling_dflash import DFlashConfig, DFlashDraftModel
 
-# `save_pretrained` writes `auto_map` and copies the class files only for classes registered for an
-# auto class. Idempotent; `hf_dflash/__init__.py` is the better home for these two lines.
-DFlashConfig.register_for_auto_class()
-DFlashDraftModel.register_for_auto_class("AutoModel")
-
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"

@@ -27,6 +27,10 @@ from .candidate_generator import DFlashCandidateGenerator
 from .verification import greedy_accept, process_block_logits, speculative_sample
 
 
+# Transformers 5.24 renamed the output's `past_key_values` field to `cache`.
+CACHE_FIELD = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+
+
 @dataclass
 class DFlashGenerateOutput(GenerateDecoderOnlyOutput):
     """`GenerateDecoderOnlyOutput` plus `acceptance_lengths` (τ of each verification round)."""
@@ -154,7 +158,7 @@ def dflash_decoding(
         scores=scores,
         logits=raw_logits,
         hidden_states=hidden_states,
-        cache=cache,
+        **{CACHE_FIELD: cache},
         acceptance_lengths=list(generator.stats.acceptance_lengths),
     )
 

@@ -101,7 +101,7 @@ class DFlashConfig(PreTrainedConfig):
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
-        if self.rope_parameters is None:
+        if self.rope_parameters is None and "rope_theta" not in kwargs and "rope_scaling" not in kwargs:
             self.rope_parameters = {"rope_type": "default", "rope_theta": 1_000_000.0}
         if self.layer_types is None:
             self.layer_types = ["full_attention"] * self.num_hidden_layers

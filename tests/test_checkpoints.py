@@ -1,0 +1,434 @@
+"""Oracle 6 (SPEC §5): save -> load round trips in both checkpoint formats, remote-code loading
+without our package, the convert CLI, and every loader error naming the offending value."""
+
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
+
+from hf_dflash.checkpoints import (
+    HUB_AUTO_MAP,
+    convert,
+    load_drafter,
+    load_official,
+    save_hub,
+    save_official,
+)
+from hf_dflash.cli import main
+from hf_dflash.modeling_dflash import DFlashConfig, DFlashDraftModel
+
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    vocab_size=128,
+    max_position_embeddings=256,
+    target_layer_ids=[1, 3],
+    num_target_layers=6,
+    mask_token_id=127,
+    block_size=4,
+)
+EXPECTED_KEYS = sorted(
+    [
+        f"layers.{i}.{name}.weight"
+        for i in range(2)
+        for name in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "self_attn.q_norm",
+            "self_attn.k_norm",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+            "input_layernorm",
+            "post_attention_layernorm",
+        )
+    ]
+    + ["norm.weight", "fc.weight", "hidden_norm.weight"]
+)
+
+
+def make_model(seed: int = 0) -> DFlashDraftModel:
+    torch.manual_seed(seed)
+    model = DFlashDraftModel(DFlashConfig(**TINY))
+    with torch.no_grad():  # perturb every weight (norms start at 1) so a swapped key changes outputs
+        for parameter in model.parameters():
+            parameter.add_(0.1 * torch.randn_like(parameter))
+    return model.eval()
+
+
+def make_inputs(seed: int = 1) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "noise_embeds": torch.randn(1, TINY["block_size"], 32, generator=generator),
+        "context_hidden_states": torch.randn(1, 5, 2 * 32, generator=generator),
+    }
+
+
+def run(model: DFlashDraftModel, inputs: dict) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(**inputs).last_hidden_state
+
+
+def assert_same_model(loaded: DFlashDraftModel, reference_output: torch.Tensor, inputs: dict) -> None:
+    assert isinstance(loaded, DFlashDraftModel)
+    assert not loaded.training
+    assert loaded.dtype == torch.float32
+    assert torch.equal(run(loaded, inputs), reference_output)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model()
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    return make_inputs()
+
+
+@pytest.fixture(scope="module")
+def expected(model, inputs):
+    return run(model, inputs)
+
+
+@pytest.fixture(scope="module")
+def hub_dir(model, tmp_path_factory):
+    return save_hub(model, tmp_path_factory.mktemp("hub") / "drafter")
+
+
+@pytest.fixture(scope="module")
+def official_dir(model, tmp_path_factory):
+    return save_official(model, tmp_path_factory.mktemp("official") / "drafter")
+
+
+def copy_of(folder: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(folder, tmp_path / "copy"))
+
+
+def edit_config(folder: Path, edit) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    edit(config)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def edit_weights(folder: Path, edit) -> None:
+    state_dict = load_file(str(folder / "model.safetensors"))
+    state_dict = edit(state_dict)
+    save_file(state_dict, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+# ---------------------------------------------------------------- round trips
+
+
+def test_hub_format_files_config_and_round_trip(model, hub_dir, inputs, expected):
+    names = {p.name for p in hub_dir.iterdir()}
+    assert {"config.json", "configuration_dflash.py", "modeling_dflash.py", "model.safetensors", "README.md"} <= names
+    config = json.loads((hub_dir / "config.json").read_text())
+    assert config["model_type"] == "dflash"
+    assert config["auto_map"] == HUB_AUTO_MAP == {
+        "AutoConfig": "configuration_dflash.DFlashConfig",
+        "AutoModel": "modeling_dflash.DFlashDraftModel",
+    }
+    for field in ("block_size", "target_layer_ids", "mask_token_id", "num_target_layers", "vocab_size"):
+        assert config[field] == TINY[field], field
+    assert config["target_hidden_size"] == 32 and config["hidden_size"] == 32
+    for name in ("configuration_dflash.py", "modeling_dflash.py"):
+        for node in ast.walk(ast.parse((hub_dir / name).read_text())):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                modules = ["." * node.level + (node.module or "")]
+            else:
+                continue
+            for module in modules:  # remote code: torch/transformers/stdlib and its sibling file only
+                assert not module.startswith("hf_dflash"), f"{name} imports {module}"
+                assert not module.startswith(".") or module == ".configuration_dflash", f"{name} imports {module}"
+    assert sorted(load_file(str(hub_dir / "model.safetensors"))) == EXPECTED_KEYS
+
+    assert_same_model(load_drafter(hub_dir), expected, inputs)
+    assert_same_model(DFlashDraftModel.from_pretrained(hub_dir), expected, inputs)
+
+
+def test_official_format_config_and_round_trip(official_dir, hub_dir, inputs, expected):
+    config = json.loads((official_dir / "config.json").read_text())
+    assert config["model_type"] == "qwen3"
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["block_size"] == 4
+    assert config["dflash_config"] == {"mask_token_id": 127, "target_layer_ids": [1, 3], "block_size": 4}
+    assert config["num_target_layers"] == 6 and config["vocab_size"] == 128
+    for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings"):
+        assert field in config, field
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"]
+    assert config["rope_scaling"] is None  # plain RoPE, as older engines expect
+    assert "auto_map" not in config
+    official_weights = load_file(str(official_dir / "model.safetensors"))
+    hub_weights = load_file(str(hub_dir / "model.safetensors"))
+    assert sorted(official_weights) == EXPECTED_KEYS
+    assert all(torch.equal(official_weights[k], hub_weights[k]) for k in EXPECTED_KEYS)
+
+    assert_same_model(load_official(official_dir), expected, inputs)
+    assert_same_model(load_drafter(official_dir), expected, inputs)
+
+
+def test_official_sharded_and_legacy_rope_and_bf16(model, official_dir, inputs, expected, tmp_path):
+    sharded = copy_of(official_dir, tmp_path)
+    state_dict = load_file(str(sharded / "model.safetensors"))
+    (sharded / "model.safetensors").unlink()
+    keys = sorted(state_dict)
+    shards = {"model-00001-of-00002.safetensors": keys[:10], "model-00002-of-00002.safetensors": keys[10:]}
+    for name, shard_keys in shards.items():
+        save_file({k: state_dict[k] for k in shard_keys}, str(sharded / name), metadata={"format": "pt"})
+    weight_map = {k: name for name, shard_keys in shards.items() for k in shard_keys}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    # An older config: rope only as rope_theta/rope_scaling, block_size only top-level, no target_hidden_size.
+    def make_legacy(config):
+        del config["rope_parameters"], config["target_hidden_size"], config["dflash_config"]["block_size"]
+
+    edit_config(sharded, make_legacy)
+    assert_same_model(load_drafter(sharded), expected, inputs)
+
+    bf16 = save_official(model, tmp_path / "bf16", dtype=torch.bfloat16)
+    assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
+    assert model.dtype == torch.float32  # the given model is not cast
+    loaded = load_official(bf16)
+    assert loaded.dtype == torch.bfloat16
+    reference = DFlashDraftModel.from_pretrained(save_hub(model, tmp_path / "hub_bf16", dtype="bfloat16"))
+    assert reference.dtype == torch.bfloat16
+    assert torch.equal(run(loaded, inputs), run(reference, inputs))
+
+
+def test_official_keeps_rope_scaling_and_sliding_layers(inputs, tmp_path):
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    torch.manual_seed(0)
+    config = DFlashConfig(**TINY, rope_parameters=dict(rope), layer_types=["sliding_attention", "full_attention"],
+                          sliding_window=3)
+    model = DFlashDraftModel(config).eval()
+    folder = save_official(model, tmp_path / "yarn")
+    written = json.loads((folder / "config.json").read_text())
+    assert written["rope_theta"] == 10000.0
+    assert written["rope_scaling"] == {k: v for k, v in rope.items() if k != "rope_theta"}
+    assert written["layer_types"] == ["sliding_attention", "full_attention"] and written["sliding_window"] == 3
+    qwen3 = AutoConfig.from_pretrained(folder)  # what engines see through Transformers' Qwen3Config
+    assert qwen3.model_type == "qwen3" and qwen3.rope_parameters["factor"] == 4.0
+    loaded = load_official(folder)
+    assert loaded.config.rope_parameters == rope
+    assert torch.equal(run(loaded, inputs), run(model, inputs))
+
+
+REMOTE_SCRIPT = """
+import sys
+sys.modules["hf_dflash"] = None  # our package must be unreachable
+try:
+    import hf_dflash
+except ImportError:
+    pass
+else:
+    raise SystemExit("hf_dflash is importable")
+import torch
+from transformers import AutoConfig, AutoModel
+
+folder = sys.argv[1]
+config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+model = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
+assert not type(model).__module__.startswith("hf_dflash"), type(model).__module__
+assert not type(config).__module__.startswith("hf_dflash"), type(config).__module__
+assert type(model).__name__ == "DFlashDraftModel" and config.model_type == "dflash"
+assert not any(name == "hf_dflash" or name.startswith("hf_dflash.") for name, m in sys.modules.items() if m)
+data = torch.load("expected.pt")
+with torch.no_grad():
+    out = model(**data["inputs"]).last_hidden_state
+assert torch.equal(out, data["expected"]), (out - data["expected"]).abs().max()
+print("REMOTE_OK", type(model).__module__)
+"""
+
+
+@pytest.fixture(scope="module")
+def subprocess_runs(hub_dir, official_dir, inputs, expected, tmp_path_factory):
+    """Start both slow subprocesses (Python + torch + transformers start-up) at once, in parallel."""
+    remote_cwd = tmp_path_factory.mktemp("remote")
+    torch.save({"inputs": inputs, "expected": expected}, remote_cwd / "expected.pt")
+    remote_env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(remote_cwd / "modules")}
+    remote_env.pop("PYTHONPATH", None)
+    script = Path(sys.executable).with_name("hf-dflash")
+    cli_out = tmp_path_factory.mktemp("console") / "hub"
+    processes = {
+        "remote": subprocess.Popen(
+            [sys.executable, "-c", REMOTE_SCRIPT, str(hub_dir)], cwd=remote_cwd, env=remote_env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        ),
+    }
+    if script.is_file():
+        processes["console"] = subprocess.Popen(
+            [str(script), "convert", str(official_dir), str(cli_out), "--to", "hub"],
+            env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+    results = {}
+    for name, process in processes.items():
+        try:
+            stdout, stderr = process.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            stdout, stderr = process.communicate()
+        results[name] = (process.returncode, stdout, stderr)
+    results["console_out"] = cli_out
+    results["console_script"] = script
+    return results
+
+
+def test_remote_code_loads_without_our_package(subprocess_runs):
+    returncode, stdout, stderr = subprocess_runs["remote"]
+    assert returncode == 0, stdout + stderr
+    assert "REMOTE_OK transformers_modules" in stdout
+
+
+# ---------------------------------------------------------------- convert / CLI
+
+
+def test_convert_cli_both_directions(hub_dir, inputs, expected, tmp_path, capsys):
+    official = tmp_path / "official"
+    assert main(["convert", str(hub_dir), str(official), "--to", "official"]) == 0
+    assert json.loads((official / "config.json").read_text())["model_type"] == "qwen3"
+    assert_same_model(load_official(official), expected, inputs)
+
+    hub = tmp_path / "hub"
+    assert main(["convert", str(official), str(hub), "--to", "hub"]) == 0
+    config = json.loads((hub / "config.json").read_text())
+    assert config["model_type"] == "dflash" and config["auto_map"] == HUB_AUTO_MAP
+    assert (hub / "modeling_dflash.py").is_file() and (hub / "configuration_dflash.py").is_file()
+    assert_same_model(load_drafter(hub), expected, inputs)
+    assert "Wrote hub DFlash checkpoint" in capsys.readouterr().out
+
+    assert convert(hub, tmp_path / "again", to="official") == tmp_path / "again"
+    assert_same_model(load_drafter(tmp_path / "again"), expected, inputs)
+
+
+def test_cli_reports_errors_and_rejects_bad_format(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["convert", str(tmp_path / "empty"), str(tmp_path / "out"), "--to", "hub"]) == 1
+    assert "config.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["convert", "a", "b", "--to", "gguf"])
+    with pytest.raises(ValueError, match="'gguf'"):
+        convert(tmp_path / "empty", tmp_path / "out", to="gguf")
+
+
+def test_console_script_converts(subprocess_runs, inputs, expected):
+    assert subprocess_runs["console_script"].is_file(), "console script missing: run `pip install -e . --no-deps`"
+    returncode, stdout, stderr = subprocess_runs["console"]
+    assert returncode == 0, stdout + stderr
+    assert "Wrote hub DFlash checkpoint" in stdout
+    assert_same_model(load_drafter(subprocess_runs["console_out"]), expected, inputs)
+
+
+# ---------------------------------------------------------------- official-format errors
+
+
+def _drop(key):
+    return lambda c: c["dflash_config"].pop(key)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda c: c.update(block_size=8), r"block_size=8.*dflash_config\.block_size=4"),
+        (_drop("mask_token_id"), r"mask_token_id is missing.*silently.*acceptance"),
+        (_drop("target_layer_ids"), r"target_layer_ids is missing.*silently.*acceptance"),
+        (lambda c: c.pop("dflash_config"), r"mask_token_id is missing"),
+        (lambda c: c.update(model_type="llama"), r"'llama'"),
+        (lambda c: c.update(num_target_layers=None), r"num_target_layers"),
+        (lambda c: c["dflash_config"].update(mask_token_id=500), r"mask_token_id=500"),
+    ],
+    ids=["block_size_conflict", "no_mask", "no_layers", "no_dflash_config", "model_type", "no_num_target_layers",
+         "mask_out_of_range"],
+)
+def test_official_config_errors(official_dir, tmp_path, edit, match):
+    folder = copy_of(official_dir, tmp_path)
+    edit_config(folder, edit)
+    with pytest.raises(ValueError, match=match):
+        load_official(folder)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda sd: {**sd, "lm_head.weight": torch.zeros(128, 32)}, r"unexpected keys \['lm_head\.weight'\]"),
+        (lambda sd: {k: v for k, v in sd.items() if k != "norm.weight"}, r"missing keys \['norm\.weight'\]"),
+        (lambda sd: {f"model.{k}": v for k, v in sd.items()}, r"'model\.' prefix.*removeprefix\('model\.'\)"),
+        (lambda sd: {**sd, "fc.weight": torch.zeros(32, 96)}, r"fc\.weight: checkpoint \(32, 96\) vs config \(32, 64"),
+    ],
+    ids=["extra_key", "missing_key", "model_prefix", "shape"],
+)
+def test_official_weight_errors(official_dir, tmp_path, edit, match):
+    folder = copy_of(official_dir, tmp_path)
+    edit_weights(folder, edit)
+    with pytest.raises(ValueError, match=match):
+        load_official(folder)
+
+
+# ---------------------------------------------------------------- detection / Hub-format errors
+
+
+def test_load_drafter_errors(hub_dir, official_dir, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"empty has no config\.json"):
+        load_drafter(tmp_path / "empty")
+    with pytest.raises(ValueError, match=r"nope.*neither a local folder nor"):
+        load_drafter(tmp_path / "missing" / "nope")
+
+    unknown = Path(shutil.copytree(hub_dir, tmp_path / "unknown"))
+    edit_config(unknown, lambda c: c.update(model_type="llama"))
+    with pytest.raises(ValueError, match=r"model_type 'llama'"):
+        load_drafter(unknown)
+
+    plain_qwen3 = Path(shutil.copytree(official_dir, tmp_path / "plain"))
+    edit_config(plain_qwen3, lambda c: c.pop("dflash_config"))
+    with pytest.raises(ValueError, match=r"'qwen3' but no dflash_config"):
+        load_drafter(plain_qwen3)
+
+    corrupt_json = Path(shutil.copytree(hub_dir, tmp_path / "corrupt_json"))
+    (corrupt_json / "config.json").write_text('{"model_type": "dflash",')
+    with pytest.raises(ValueError, match=r"corrupt_json/config\.json is not valid JSON"):
+        load_drafter(corrupt_json)
+
+    for name, source in (("corrupt_hub", hub_dir), ("corrupt_official", official_dir)):
+        corrupt = Path(shutil.copytree(source, tmp_path / name))
+        (corrupt / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+        with pytest.raises(ValueError, match=rf"{name}/model\.safetensors is not a readable safetensors file"):
+            load_drafter(corrupt)
+
+    no_weights = Path(shutil.copytree(hub_dir, tmp_path / "no_weights"))
+    (no_weights / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"neither model\.safetensors nor model\.safetensors\.index\.json"):
+        load_drafter(no_weights)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda sd: {**sd, "lm_head.weight": torch.zeros(128, 32)}, r"lm_head\.weight"),
+        (lambda sd: {k: v for k, v in sd.items() if k != "hidden_norm.weight"}, r"hidden_norm\.weight"),
+    ],
+    ids=["extra_key", "missing_key"],
+)
+def test_hub_from_pretrained_rejects_key_mismatch(hub_dir, tmp_path, edit, match):
+    folder = copy_of(hub_dir, tmp_path)
+    edit_weights(folder, edit)
+    with pytest.raises(ValueError, match=match):
+        DFlashDraftModel.from_pretrained(folder)
+    with pytest.raises(ValueError, match=match):
+        load_drafter(folder)
