@@ -5,7 +5,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast install clean
+# The generate hook and the drafter are also tested against the oldest supported Transformers
+# release (5.23 passes `past_key_values=` where 5.24 passes `cache=`), installed beside the venv.
+COMPAT := .cache/transformers-5.23.0
+COMPAT_TESTS := tests/test_generate_hook.py tests/test_modeling.py tests/test_checkpoints.py \
+	tests/test_generation_greedy.py::test_return_dict_scores_logits_and_hidden_states_match_plain \
+	tests/test_generation_greedy.py::test_eos_inside_accepted_block_stops_there
+
+.PHONY: demo test test-fast test-compat install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,8 +26,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/hf-dflash demo
 
-test: $(STAMP)
+test: $(STAMP) $(COMPAT)
 	$(BIN)/python -m pytest -q
+	PYTHONPATH=$(COMPAT) $(BIN)/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
+
+test-compat: $(STAMP) $(COMPAT)
+	PYTHONPATH=$(COMPAT) $(BIN)/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
+
+$(COMPAT):
+	$(BIN)/python -m pip install -q --no-deps --target $(COMPAT) transformers==5.23.0
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not real_model and not slow"

@@ -1,0 +1,28 @@
+from .arguments import DFlashTrainingArguments
+from .collator import DFlashDataCollator
+from .maths import (
+    acceptance_estimate,
+    build_blocks,
+    build_training_mask,
+    decay_weights,
+    default_decay_gamma,
+    select_anchors,
+    weighted_cross_entropy_sum,
+)
+from .target_features import compute_target_features
+from .trainer import DFlashTrainer, dflash_training_forward
+
+__all__ = [
+    "DFlashDataCollator",
+    "DFlashTrainer",
+    "DFlashTrainingArguments",
+    "acceptance_estimate",
+    "build_blocks",
+    "build_training_mask",
+    "compute_target_features",
+    "decay_weights",
+    "default_decay_gamma",
+    "dflash_training_forward",
+    "select_anchors",
+    "weighted_cross_entropy_sum",
+]

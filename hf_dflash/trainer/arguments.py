@@ -1,0 +1,53 @@
+"""`DFlashTrainingArguments`: `TrainingArguments` with the DFlash recipe's knobs and paper defaults."""
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from .maths import default_decay_gamma
+
+FEATURE_MODES = ("online", "offline")
+
+
+@dataclass
+class DFlashTrainingArguments(TrainingArguments):
+    """Paper defaults (SPEC §4): AdamW, lr 6e-4, cosine schedule, 4% warm-up, clip 1.0, 6 epochs."""
+
+    block_size: int = field(default=16, metadata={"help": "Block size drafted per round (anchor + bs-1 masks)."})
+    num_anchors: int = field(
+        default=512, metadata={"help": "Anchors (blocks) drawn per sequence each step, without replacement."}
+    )
+    loss_decay_gamma: float | None = field(
+        default=None,
+        metadata={"help": "Slot weight exp(-(k-1)/gamma). Default: 7 for bs 16, 5 for bs 10, 4 for bs 8, else 7*bs/16."},
+    )
+    feature_mode: str = field(
+        default="online",
+        metadata={"help": "'online': run the frozen target in each step; 'offline': read cached features."},
+    )
+    target_name_or_path: str | None = field(
+        default=None, metadata={"help": "Target model (a known name such as smollm2-135m-instruct, or a path)."}
+    )
+    learning_rate: float = field(default=6e-4, metadata={"help": "Peak AdamW learning rate (paper: 6e-4)."})
+    lr_scheduler_type: str = field(default="cosine", metadata={"help": "Learning-rate schedule (paper: cosine)."})
+    warmup_steps: float = field(default=0.04, metadata={"help": "Warm-up steps, or a ratio in [0, 1) (paper: 4%)."})
+    num_train_epochs: float = field(default=6.0, metadata={"help": "Epochs (paper: 6)."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping (paper: 1.0)."})
+    remove_unused_columns: bool = field(
+        default=False, metadata={"help": "Must stay False: the DFlash collator needs loss_mask and features."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}.")
+        if self.num_anchors < 1:
+            raise ValueError(f"num_anchors must be >= 1, got {self.num_anchors}.")
+        if self.feature_mode not in FEATURE_MODES:
+            raise ValueError(f"feature_mode must be one of {FEATURE_MODES}, got {self.feature_mode!r}.")
+        if self.remove_unused_columns:
+            raise ValueError("remove_unused_columns=True would drop loss_mask; DFlash training needs False.")
+        if self.loss_decay_gamma is None:
+            self.loss_decay_gamma = default_decay_gamma(self.block_size)
+        if self.loss_decay_gamma <= 0:
+            raise ValueError(f"loss_decay_gamma must be > 0, got {self.loss_decay_gamma}.")

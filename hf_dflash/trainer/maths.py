@@ -1,0 +1,148 @@
+"""The training recipe of SPEC §4 as pure functions (no Trainer, no model state).
+
+Shapes: B = batch, S = sequence length, A = anchors per sequence, bs = block size, V = vocabulary.
+Blocks are laid out anchor-major: flat index a * bs + k is slot k of anchor a.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+PAPER_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_decay_gamma(block_size: int) -> float:
+    """The paper's gamma for block sizes 16/10/8; otherwise scaled like 16 -> 7 (7/16 of the block)."""
+    return PAPER_DECAY_GAMMA.get(block_size, block_size * 7.0 / 16.0)
+
+
+def decay_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """(bs,) slot weights: 0 for the anchor slot, exp(-(k - 1) / gamma) for slot k >= 1."""
+    slots = torch.arange(block_size, dtype=torch.float32)
+    weights = torch.exp(-(slots - 1) / gamma)
+    weights[0] = 0.0
+    return weights
+
+
+def select_anchors(
+    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+) -> tuple[torch.LongTensor, torch.BoolTensor]:
+    """Draw up to `num_anchors` anchor positions per sequence, without replacement.
+
+    loss_mask (B, S). Candidates are positions p with loss_mask[p] == loss_mask[p + 1] == 1 (the
+    anchor and at least its first prediction are supervised). Returns anchor_positions (B, A) sorted
+    ascending and anchor_valid (B, A), A = min(num_anchors, most candidates in any row); rows with
+    fewer candidates are padded with position 0 and valid = False.
+    """
+    mask = loss_mask.bool()
+    candidates = torch.zeros_like(mask)
+    candidates[:, :-1] = mask[:, :-1] & mask[:, 1:]
+    count = int(candidates.sum(-1).max()) if candidates.numel() else 0
+    width = max(1, min(num_anchors, count))
+    # random keys on candidates, -1 elsewhere: top-k = a uniform draw without replacement
+    keys = torch.rand(candidates.shape, generator=generator, device=loss_mask.device)
+    keys = torch.where(candidates, keys, torch.full_like(keys, -1.0))
+    top_keys, top_positions = keys.topk(width, dim=-1)
+    valid = top_keys >= 0
+    positions = torch.where(valid, top_positions, torch.zeros_like(top_positions))
+    order = torch.where(valid, positions, torch.full_like(positions, loss_mask.shape[1])).argsort(-1)
+    return positions.gather(-1, order), valid.gather(-1, order)
+
+
+def build_blocks(
+    input_ids: torch.LongTensor,
+    loss_mask: torch.Tensor,
+    anchor_positions: torch.LongTensor,
+    anchor_valid: torch.BoolTensor,
+    block_size: int,
+    mask_token_id: int,
+    gamma: float,
+) -> dict[str, torch.Tensor]:
+    """Blocks `[x_p, MASK x (bs-1)]` at positions p..p+bs-1 with same-position labels.
+
+    input_ids, loss_mask (B, S); anchor_positions, anchor_valid (B, A). Returns (B, A*bs) tensors:
+      block_ids        anchor token then mask_token_id,
+      block_positions  p + k,
+      labels           x_{p+k} (0 where p+k >= S; such slots have weight 0),
+      loss_weights     exp(-(k-1)/gamma) * loss_mask[p+k] * [p+k < S] * valid, 0 for slot 0.
+    The mask is placed by slot index, never by comparing token values, so a real token equal to
+    mask_token_id keeps its label and weight.
+    """
+    batch, seq_len = input_ids.shape
+    slots = torch.arange(block_size, device=input_ids.device)
+    positions = anchor_positions[..., None] + slots  # (B, A, bs)
+    inside = positions < seq_len
+    clamped = positions.clamp(max=seq_len - 1)
+    tokens = input_ids.gather(1, clamped.flatten(1)).view_as(positions)
+    supervised = loss_mask.gather(1, clamped.flatten(1)).view_as(positions).float()
+    block_ids = torch.full_like(tokens, mask_token_id)
+    block_ids[..., 0] = tokens[..., 0]
+    weights = decay_weights(block_size, gamma).to(input_ids.device) * supervised * inside * anchor_valid[..., None]
+    return {
+        "block_ids": block_ids.flatten(1),
+        "block_positions": positions.flatten(1),
+        "labels": torch.where(inside, tokens, torch.zeros_like(tokens)).flatten(1),
+        "loss_weights": weights.flatten(1),
+    }
+
+
+def build_training_mask(
+    anchor_positions: torch.LongTensor, anchor_valid: torch.BoolTensor, seq_len: int, block_size: int
+) -> torch.BoolTensor:
+    """(B, 1, A*bs, S + A*bs) boolean attention mask of the packed multi-block forward.
+
+    Keys are [S context tokens, A*bs block tokens]. A query of block b sees context keys j < p_b
+    (strictly: the anchor's own hidden state is not visible) and every key of its own block, nothing
+    else (no other block, so overlapping blocks never see each other's future). Padding blocks see
+    only their own block: no row is fully masked (SDPA would return NaN) and their zero weight keeps
+    them out of the loss.
+    """
+    batch, num_anchors = anchor_positions.shape
+    device = anchor_positions.device
+    context = torch.arange(seq_len, device=device)[None, None, :] < anchor_positions[..., None]  # (B, A, S)
+    context = context & anchor_valid[..., None]
+    context = context.repeat_interleave(block_size, dim=1)  # (B, A*bs, S)
+    block_of = torch.arange(num_anchors * block_size, device=device) // block_size
+    own_block = (block_of[:, None] == block_of[None, :]).expand(batch, -1, -1)  # (B, A*bs, A*bs)
+    return torch.cat([context, own_block], dim=-1)[:, None]
+
+
+def training_position_ids(block_positions: torch.LongTensor, seq_len: int) -> torch.LongTensor:
+    """(B, S + A*bs) positions of [context tokens 0..S-1, block tokens]."""
+    context = torch.arange(seq_len, device=block_positions.device).expand(block_positions.shape[0], -1)
+    return torch.cat([context, block_positions], dim=1)
+
+
+def weighted_cross_entropy_sum(
+    hidden_states: torch.Tensor, lm_head: torch.nn.Module, labels: torch.LongTensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ w * CE over the positions with w > 0, computing the LM head only there.
+
+    hidden_states (B, T, H) (after the drafter's final norm), labels / weights (B, T).
+    Returns (loss_sum scalar, correct (B, T) bool: argmax == label, False where w == 0).
+    """
+    selected = weights > 0
+    logits = lm_head(hidden_states[selected]).float()  # (N, V)
+    chosen = labels[selected]
+    loss_sum = (F.cross_entropy(logits, chosen, reduction="none") * weights[selected]).sum()
+    correct = torch.zeros_like(selected)
+    correct[selected] = logits.argmax(-1) == chosen
+    return loss_sum, correct
+
+
+def acceptance_estimate(
+    correct: torch.BoolTensor, supervised: torch.BoolTensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-slot accuracy and the expected acceptance length τ estimated from per-slot correctness.
+
+    correct, supervised (B, A*bs); slot 0 is ignored. τ of a block = 1 + Σ_k Π_{j<=k} correct_j
+    (the drafts a greedy verifier would keep, plus the bonus); an unsupervised slot ends the chain.
+    Returns float tensors that callers sum over steps and processes: correct counts (bs-1,),
+    supervised counts (bs-1,), and [Σ τ, number of blocks] (2,) over blocks whose slot 1 is supervised.
+    """
+    correct = correct.reshape(-1, block_size)[:, 1:].float()
+    supervised = supervised.reshape(-1, block_size)[:, 1:].float()
+    live = supervised[:, 0] > 0
+    tau = 1 + correct[live].cumprod(-1).sum(-1)
+    return correct.sum(0), supervised.sum(0), torch.stack([tau.sum(), live.sum().float()])

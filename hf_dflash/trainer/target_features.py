@@ -1,0 +1,28 @@
+"""The target side of training: one causal forward, keep only the drafter's layers."""
+
+import torch
+from transformers import PreTrainedModel
+
+from ..generation.candidate_generator import target_layer_features
+
+
+@torch.no_grad()
+def compute_target_features(
+    target: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    target_layer_ids: list[int],
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(B, S) token ids -> (B, S, n*Ht): cat(h[i + 1] for i in target_layer_ids) of one causal forward.
+
+    Only the selected layers' hidden states are requested from the target, and its LM head is skipped
+    (`logits_to_keep=1` computes a single position).
+    """
+    outputs = target(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        output_hidden_states=[i + 1 for i in target_layer_ids],
+        use_cache=False,
+        logits_to_keep=1,
+    )
+    return target_layer_features(outputs.hidden_states, target_layer_ids, input_ids.shape[1])

@@ -1,0 +1,142 @@
+"""`DFlashTrainer`: a `Trainer` whose model is the drafter; the target is frozen and only lends
+its features, embedding and LM head. Checkpoints therefore hold the drafter alone, Hub-native."""
+
+import torch
+from transformers import PreTrainedModel, Trainer
+
+from ..modeling_dflash import DFlashDraftModel
+from .arguments import DFlashTrainingArguments
+from .collator import DFlashDataCollator
+from .maths import acceptance_estimate, build_training_mask, training_position_ids, weighted_cross_entropy_sum
+from .target_features import compute_target_features
+
+
+def dflash_training_forward(
+    drafter: DFlashDraftModel, embedding: torch.nn.Module, batch: dict, target_hidden_states: torch.Tensor
+) -> torch.Tensor:
+    """Packed multi-block forward: (B, A*bs, H) drafter outputs for every block of the batch at once.
+
+    target_hidden_states (B, S, n*Ht) are the features of the clean sequence; each block sees those
+    strictly before its anchor and its own block (see `build_training_mask`).
+    """
+    seq_len = batch["input_ids"].shape[1]
+    block_size = drafter.config.block_size
+    mask = build_training_mask(batch["anchor_positions"], batch["anchor_valid"], seq_len, block_size)
+    return drafter(
+        noise_embeds=embedding(batch["block_ids"]),
+        context_hidden_states=target_hidden_states,
+        position_ids=training_position_ids(batch["block_positions"], seq_len),
+        attention_mask=mask,
+    ).last_hidden_state
+
+
+def check_training_pairing(target: PreTrainedModel, drafter: DFlashDraftModel) -> None:
+    """Sizes, vocab and layer ids must fit (dtype/device may differ in training, e.g. a bf16 target)."""
+    text = target.config.get_text_config()
+    config = drafter.config
+    if config.target_hidden_size != text.hidden_size or config.vocab_size != target.get_input_embeddings().weight.shape[0]:
+        raise ValueError(
+            f"Drafter (target_hidden_size={config.target_hidden_size}, vocab_size={config.vocab_size}) does not fit "
+            f"the target (hidden_size={text.hidden_size}, embedding rows={target.get_input_embeddings().weight.shape[0]}): "
+            "build the drafter config with DFlashConfig.from_target_config(target.config)."
+        )
+    if max(config.target_layer_ids) >= text.num_hidden_layers:
+        raise ValueError(
+            f"target_layer_ids {config.target_layer_ids} exceed the target's {text.num_hidden_layers} layers."
+        )
+
+
+class DFlashTrainer(Trainer):
+    """Trains a `DFlashDraftModel` with the SPEC §4 recipe.
+
+    `model` is the drafter (trainable); `target` is frozen: in `feature_mode="online"` it runs once per
+    step to produce the features, in "offline" the batches carry `target_hidden_states` and the target
+    only lends its embedding and LM head. The loss Σ w·CE / Σ w is normalised over the whole
+    accumulated batch and all processes (`_get_num_items_in_batch` sums the blocks' weights).
+    Logged metrics: loss, per-slot accuracy `acc_k`, and `tau` (expected acceptance length).
+    """
+
+    _tag_names = ["dflash", "speculative-decoding", "block-diffusion"]
+    _name = "DFlash"
+
+    def __init__(
+        self,
+        model: DFlashDraftModel,
+        args: DFlashTrainingArguments,
+        target: PreTrainedModel,
+        data_collator=None,
+        **kwargs,
+    ):
+        if not isinstance(args, DFlashTrainingArguments):
+            raise TypeError(f"args must be DFlashTrainingArguments, got {type(args).__name__}.")
+        if model.config.block_size != args.block_size:
+            raise ValueError(
+                f"args.block_size={args.block_size} differs from the drafter's block_size={model.config.block_size}."
+            )
+        check_training_pairing(target, model)
+        if data_collator is None:
+            data_collator = DFlashDataCollator(
+                block_size=args.block_size,
+                num_anchors=args.num_anchors,
+                mask_token_id=model.config.mask_token_id,
+                gamma=args.loss_decay_gamma,
+                pad_token_id=target.config.get_text_config().pad_token_id or 0,
+            )
+        super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
+        target.requires_grad_(False)
+        self.target = target.eval()
+        self.target_layer_ids = list(model.config.target_layer_ids)
+        self.model_accepts_loss_kwargs = True  # compute_loss uses num_items_in_batch
+        self.loss_is_scaled_for_ga = True
+        self._metric_sums: dict[str, dict[str, torch.Tensor]] = {"train": {}, "eval": {}}
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
+        """Σ of the loss weights over the accumulated batch (and over processes when averaging)."""
+        total = sum(batch["loss_weights"].sum() for batch in batch_samples).to(device)
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            total = self.accelerator.gather(total).sum()
+        return total
+
+    def target_features(self, inputs: dict) -> torch.Tensor:
+        """(B, S, n*Ht) features of the batch: cached (offline) or from one target forward (online)."""
+        if self.args.feature_mode == "offline":
+            if "target_hidden_states" not in inputs:
+                raise ValueError("feature_mode='offline' needs batches with target_hidden_states (cached features).")
+            return inputs["target_hidden_states"]
+        return compute_target_features(self.target, inputs["input_ids"], self.target_layer_ids, inputs["attention_mask"])
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        drafter = self.accelerator.unwrap_model(model)
+        features = self.target_features(inputs).to(next(drafter.parameters()).dtype)
+        hidden = dflash_training_forward(model, self.target.get_input_embeddings(), inputs, features)
+        weights = inputs["loss_weights"]
+        loss_sum, correct = weighted_cross_entropy_sum(hidden, self.target.get_output_embeddings(), inputs["labels"], weights)
+        normaliser = num_items_in_batch if num_items_in_batch is not None else weights.sum()
+        loss = loss_sum / normaliser.clamp_min(1e-6)
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            loss = loss * self.accelerator.num_processes  # DDP averages gradients over processes
+        self._accumulate_metrics(correct, weights > 0, drafter.config.block_size)
+        return (loss, hidden) if return_outputs else loss
+
+    def _accumulate_metrics(self, correct: torch.Tensor, supervised: torch.Tensor, block_size: int) -> None:
+        split = "train" if self.model.training else "eval"
+        right, seen, tau = acceptance_estimate(correct.detach(), supervised, block_size)
+        sums = self._metric_sums[split]
+        for name, value in (("correct", right), ("supervised", seen), ("tau", tau)):
+            sums[name] = sums.get(name, 0) + value.cpu()
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add per-slot accuracy `acc_k` and `tau` accumulated since the last log (summed over processes)."""
+        split = "eval" if any(key.startswith("eval_") for key in logs) else "train"
+        sums = self._metric_sums[split]
+        if sums:
+            packed = torch.cat([sums["correct"], sums["supervised"], sums["tau"]]).to(self.args.device)
+            packed = self.accelerator.reduce(packed, reduction="sum") if self.args.world_size > 1 else packed
+            packed = packed.cpu()
+            slots = (len(packed) - 2) // 2
+            prefix = "eval_" if split == "eval" else ""
+            accuracy = packed[:slots] / packed[slots : 2 * slots].clamp_min(1)
+            logs.update({f"{prefix}acc_{k + 1}": round(float(a), 4) for k, a in enumerate(accuracy)})
+            logs[f"{prefix}tau"] = round(float(packed[-2] / packed[-1].clamp_min(1)), 4)
+            self._metric_sums[split] = {}
+        super().log(logs, start_time)

@@ -1,0 +1,151 @@
+"""DFlashTrainer: train/serve consistency (oracle 1), frozen target (oracle 5), exact loss
+normalisation over gradient accumulation, end-to-end training, resume after a crash."""
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModel, TrainerCallback
+
+from hf_dflash import DFlashDraftModel
+from hf_dflash.trainer import DFlashDataCollator, DFlashTrainer, DFlashTrainingArguments, compute_target_features
+from hf_dflash.trainer.trainer import dflash_training_forward
+from tests.conftest import make_drafter, make_target
+
+BLOCK = 4
+
+
+def samples(count=8, length=24, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        size = length - (i % 3) * 4
+        prompt = 6 + i % 4
+        ids = torch.randint(3, 128, (size,), generator=generator).tolist()
+        out.append({"input_ids": ids, "loss_mask": [0] * prompt + [1] * (size - prompt)})
+    return out
+
+
+def arguments(tmp_path, **overrides):
+    fields = dict(
+        output_dir=str(tmp_path / "run"), block_size=BLOCK, num_anchors=6, per_device_train_batch_size=2,
+        learning_rate=3e-3, warmup_steps=0, num_train_epochs=1, logging_steps=1, save_strategy="no",
+        report_to=[], use_cpu=True, seed=0, dataloader_drop_last=True,
+    )
+    return DFlashTrainingArguments(**(fields | overrides))
+
+
+def test_packed_training_forward_equals_inference_forward_per_block():
+    """Oracle 1: each block of the packed multi-block forward == the drafter's inference forward with
+    context = features[:p] (the generation path), in fp32."""
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=BLOCK)
+    collator = DFlashDataCollator(BLOCK, num_anchors=5, mask_token_id=drafter.config.mask_token_id, gamma=3.0)
+    batch = collator(samples(count=2))
+    features = compute_target_features(target, batch["input_ids"], drafter.config.target_layer_ids, batch["attention_mask"])
+    embedding = target.get_input_embeddings()
+    with torch.no_grad():
+        packed = dflash_training_forward(drafter, embedding, batch, features)
+        for row in range(2):
+            for anchor in range(batch["anchor_positions"].shape[1]):
+                if not batch["anchor_valid"][row, anchor]:
+                    continue
+                p = int(batch["anchor_positions"][row, anchor])
+                block = slice(anchor * BLOCK, (anchor + 1) * BLOCK)
+                served = drafter(
+                    noise_embeds=embedding(batch["block_ids"][row : row + 1, block]),
+                    context_hidden_states=features[row : row + 1, :p],
+                    position_ids=torch.arange(p + BLOCK)[None],
+                ).last_hidden_state
+                assert (served - packed[row : row + 1, block]).abs().max() < 1e-5
+
+
+def test_one_step_trains_only_the_drafter(tmp_path):
+    """Oracle 5: drafter weights change; target, its embedding and LM head do not."""
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=BLOCK)
+    target_before = copy.deepcopy(target.state_dict())
+    drafter_before = copy.deepcopy(drafter.state_dict())
+    trainer = DFlashTrainer(drafter, arguments(tmp_path, max_steps=1), target=target, train_dataset=samples())
+    trainer.train()
+    assert all(torch.equal(value, target.state_dict()[key]) for key, value in target_before.items())
+    changed = [key for key, value in drafter_before.items() if not torch.equal(value, drafter.state_dict()[key])]
+    assert set(changed) == set(drafter_before)  # every drafter weight received a gradient step
+
+
+def one_step_weights(tmp_path, name, **overrides):
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=BLOCK)
+    # num_anchors >= candidates: every candidate is an anchor, so both runs see the same blocks
+    args = arguments(tmp_path / name, max_steps=1, num_anchors=64, optim="sgd", learning_rate=1.0, **overrides)
+    DFlashTrainer(drafter, args, target=target, train_dataset=samples(count=4)).train()
+    return drafter.state_dict()
+
+
+def test_gradient_accumulation_equals_one_big_batch(tmp_path):
+    """Σ w·CE / Σ w over the whole accumulated batch: 2 micro-batches of 2 == 1 batch of 4 (SGD, lr 1)."""
+    big = one_step_weights(tmp_path, "big", per_device_train_batch_size=4, gradient_accumulation_steps=1)
+    accumulated = one_step_weights(tmp_path, "acc", per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    for key in big:
+        torch.testing.assert_close(accumulated[key], big[key], rtol=1e-4, atol=1e-6)
+
+
+def test_tiny_end_to_end_training_lowers_loss_and_saves_a_loadable_drafter(tmp_path):
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=BLOCK)
+    data = samples(count=4, length=20) * 8  # the same few sequences: the drafter can fit them
+    trainer = DFlashTrainer(drafter, arguments(tmp_path, num_train_epochs=3, learning_rate=5e-3), target=target, train_dataset=data)
+    trainer.train()
+    history = [entry for entry in trainer.state.log_history if "loss" in entry]
+    print([(round(h["loss"], 3), h["tau"]) for h in history])
+    first, last = history[:6], history[-6:]
+    mean = lambda entries, key: sum(entry[key] for entry in entries) / len(entries)  # noqa: E731
+    # the tiny frozen LM head has small logits, so CE cannot go far below ln(128); τ shows the learning
+    assert mean(last, "loss") < mean(first, "loss") - 0.1
+    assert mean(last, "tau") > mean(first, "tau") + 0.5
+    assert {"tau", "acc_1", f"acc_{BLOCK - 1}"} <= set(history[-1])
+    trainer.save_model(str(tmp_path / "drafter"))
+    reloaded = AutoModel.from_pretrained(str(tmp_path / "drafter"), trust_remote_code=True)
+    assert isinstance(reloaded, DFlashDraftModel)
+    for key, value in drafter.state_dict().items():
+        assert torch.equal(value, reloaded.state_dict()[key])
+
+
+class CrashAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise RuntimeError("simulated crash")
+
+
+def test_resume_after_crash_continues_from_last_checkpoint(tmp_path):
+    def run(output, callbacks=(), resume=False):
+        target = make_target("llama")
+        drafter = make_drafter(target, block_size=BLOCK)
+        args = arguments(tmp_path, output_dir=str(output), max_steps=6, save_strategy="steps", save_steps=2)
+        trainer = DFlashTrainer(drafter, args, target=target, train_dataset=samples(), callbacks=list(callbacks))
+        trainer.train(resume_from_checkpoint=resume)
+        return drafter.state_dict()
+
+    uninterrupted = run(tmp_path / "straight")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(tmp_path / "crashy", callbacks=[CrashAt(5)])
+    assert (tmp_path / "crashy" / "checkpoint-4" / "model.safetensors").exists()
+    resumed = run(tmp_path / "crashy", resume=True)
+    for key in uninterrupted:
+        torch.testing.assert_close(resumed[key], uninterrupted[key], rtol=1e-5, atol=1e-6)
+
+
+def test_arguments_validate():
+    with pytest.raises(ValueError, match="feature_mode"):
+        DFlashTrainingArguments(output_dir="x", feature_mode="cached", report_to=[])
+    assert DFlashTrainingArguments(output_dir="x", block_size=10, report_to=[]).loss_decay_gamma == 5.0
+
+
+def test_mismatched_target_is_refused(tmp_path):
+    target = make_target("llama")
+    other = make_drafter(make_target("qwen3"), block_size=BLOCK, hidden_size=48, target_hidden_size=48)
+    with pytest.raises(ValueError, match="target_hidden_size=48"):
+        DFlashTrainer(other, arguments(tmp_path), target=target, train_dataset=samples())

@@ -1,0 +1,103 @@
+"""SPEC §4/§5 oracles for the training maths: decay weights, anchors, blocks, mask, loss."""
+
+import math
+
+import pytest
+import torch
+
+from hf_dflash.trainer import (
+    DFlashDataCollator,
+    build_blocks,
+    build_training_mask,
+    decay_weights,
+    default_decay_gamma,
+    select_anchors,
+)
+from hf_dflash.trainer.maths import acceptance_estimate
+
+
+@pytest.mark.parametrize("block_size, gamma", [(16, 7.0), (10, 5.0), (8, 4.0)])
+def test_decay_weights_closed_form_and_paper_gammas(block_size, gamma):
+    assert default_decay_gamma(block_size) == gamma
+    weights = decay_weights(block_size, gamma)
+    assert weights[0] == 0
+    for k in range(1, block_size):
+        assert weights[k].item() == pytest.approx(math.exp(-(k - 1) / gamma))
+
+
+def test_anchors_obey_the_rules_and_are_redrawn():
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1, 1, 1], [0, 1, 1, 0, 0, 0, 0, 0, 0, 0]])
+    allowed = [{2, 3, 6, 7, 8}, {1}]  # loss_mask[p] == loss_mask[p + 1] == 1
+    draws = set()
+    for seed in range(20):
+        positions, valid = select_anchors(loss_mask, 3, torch.Generator().manual_seed(seed))
+        assert positions.shape == (2, 3)
+        for row in range(2):
+            chosen = positions[row][valid[row]].tolist()
+            assert set(chosen) <= allowed[row] and len(set(chosen)) == len(chosen)  # no replacement
+            assert chosen == sorted(chosen)
+        assert valid[0].all() and valid[1].tolist() == [True, False, False]
+        draws.add(tuple(positions[0].tolist()))
+    assert len(draws) > 1  # re-drawn: different anchors across steps
+    positions, valid = select_anchors(loss_mask, 512)
+    assert positions[0][valid[0]].tolist() == [2, 3, 6, 7, 8]  # capped at the candidates
+
+
+def example_blocks(block_size=4, mask_token_id=9):
+    input_ids = torch.tensor([[11, 12, 13, 14, 15, 16, 17, 9]])  # a REAL token 9 == mask id at the end
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]])
+    anchors, valid = torch.tensor([[2, 5, 0]]), torch.tensor([[True, True, False]])
+    return input_ids, loss_mask, anchors, valid, build_blocks(input_ids, loss_mask, anchors, valid, block_size, mask_token_id, 4.0)
+
+
+def test_blocks_use_same_position_labels_and_slot_masking():
+    _, _, _, _, blocks = example_blocks()
+    assert blocks["block_ids"][0, :8].tolist() == [13, 9, 9, 9, 16, 9, 9, 9]
+    assert blocks["block_positions"][0, :8].tolist() == [2, 3, 4, 5, 5, 6, 7, 8]
+    # slot k predicts the token AT p+k (not p+k+1): regression for next-token labels
+    assert blocks["labels"][0, 1:4].tolist() == [14, 15, 16]
+    weights = blocks["loss_weights"][0]
+    gamma = 4.0
+    assert weights[0] == 0 and weights[1] == pytest.approx(1.0) and weights[2] == pytest.approx(math.exp(-1 / gamma))
+    # the real token 9 at position 7 keeps its label and weight (no value-based filtering)
+    assert blocks["labels"][0, 6].item() == 9 and weights[6] > 0
+    assert weights[7] == 0  # position 8 is past the sequence
+    assert weights[8:].abs().sum() == 0  # padding anchor contributes nothing
+
+
+def test_training_mask_is_strictly_before_anchor_and_block_local():
+    _, _, anchors, valid, _ = example_blocks()
+    mask = build_training_mask(anchors, valid, seq_len=8, block_size=4)[0, 0]
+    assert mask.shape == (12, 8 + 12)
+    context, blocks = mask[:, :8], mask[:, 8:]
+    # block 0 (anchor 2) sees context 0, 1 but NOT position 2 (`<` not `<=`)
+    assert context[:4].tolist() == [[True, True, False, False, False, False, False, False]] * 4
+    assert context[4:8, :5].all() and not context[4:8, 5:].any()
+    # bidirectional inside the block (slot 0 sees slot 3), nothing of other blocks
+    assert blocks[0, 3] and blocks[3, 0]
+    assert not blocks[:4, 4:].any() and not blocks[4:8, :4].any()
+    # padding block: no context at all, only itself (no fully-masked row -> no NaN)
+    assert not context[8:].any() and blocks[8:, 8:].all()
+    assert mask.any(-1).all()
+
+
+def test_collator_pads_right_and_builds_everything():
+    collator = DFlashDataCollator(block_size=4, num_anchors=2, mask_token_id=99, gamma=4.0)
+    batch = collator(
+        [
+            {"input_ids": [5, 6, 7, 8, 9, 10], "loss_mask": [0, 0, 1, 1, 1, 1]},
+            {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]},
+        ]
+    )
+    assert batch["input_ids"].tolist()[1] == [5, 6, 7, 0, 0, 0]
+    assert batch["attention_mask"].tolist()[1] == [1, 1, 1, 0, 0, 0]
+    assert batch["block_ids"].shape == batch["loss_weights"].shape == (2, 8)
+    assert batch["anchor_valid"].tolist()[1] == [True, False]
+
+
+def test_acceptance_estimate_from_slot_correctness():
+    correct = torch.tensor([[False, True, True, False, False, True, False, True]])
+    supervised = torch.ones_like(correct)
+    right, seen, tau = acceptance_estimate(correct, supervised, block_size=4)
+    assert right.tolist() == [2, 1, 1] and seen.tolist() == [2, 2, 2]
+    assert tau.tolist() == [(1 + 2) + (1 + 1), 2]  # block 0 keeps 2 drafts, block 1 keeps 1
