@@ -45,7 +45,7 @@ def test_packed_training_forward_equals_inference_forward_per_block():
     features = compute_target_features(target, batch["input_ids"], drafter.config.target_layer_ids, batch["attention_mask"])
     embedding = target.get_input_embeddings()
     with torch.no_grad():
-        packed = dflash_training_forward(drafter, embedding, batch, features)
+        packed = dflash_training_forward(drafter, embedding, batch, features, BLOCK)
         for row in range(2):
             for anchor in range(batch["anchor_positions"].shape[1]):
                 if not batch["anchor_valid"][row, anchor]:
@@ -149,3 +149,39 @@ def test_mismatched_target_is_refused(tmp_path):
     other = make_drafter(make_target("qwen3"), block_size=BLOCK, hidden_size=48, target_hidden_size=48)
     with pytest.raises(ValueError, match="target_hidden_size=48"):
         DFlashTrainer(other, arguments(tmp_path), target=target, train_dataset=samples())
+
+
+@pytest.mark.slow
+def test_data_parallel_on_two_cpu_processes_equals_one_big_batch(tmp_path):
+    """`accelerate launch` with 2 gloo processes x batch 1 == 1 process x batch 2 (SGD, lr 1)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    worker = str(Path(__file__).parent / "dp_worker.py")
+    single, parallel = tmp_path / "single.safetensors", tmp_path / "parallel.safetensors"
+    subprocess.run([sys.executable, worker, str(single), "2"], check=True, timeout=300)
+    # --multi_gpu selects the torch.distributed launcher; use_cpu=True in the arguments makes it gloo on CPU
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    subprocess.run([*launcher, worker, str(parallel), "1"], check=True, timeout=300)
+    expected, actual = load_file(single), load_file(parallel)
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], rtol=1e-4, atol=1e-6)
+
+
+def test_lora_fine_tuning_of_an_existing_drafter(tmp_path):
+    """PEFT LoRA on the drafter's attention: only the adapted projections change once merged."""
+    from peft import LoraConfig, get_peft_model
+
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=BLOCK)
+    before = copy.deepcopy(drafter.state_dict())
+    adapted = get_peft_model(drafter, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    DFlashTrainer(adapted, arguments(tmp_path, max_steps=2), target=target, train_dataset=samples()).train()
+    merged = adapted.merge_and_unload()
+    assert isinstance(merged, DFlashDraftModel)
+    changed = {key for key, value in before.items() if not torch.equal(value, merged.state_dict()[key])}
+    assert changed == {f"layers.{i}.self_attn.{name}_proj.weight" for i in range(2) for name in ("q", "v")}

@@ -12,15 +12,15 @@ from .target_features import compute_target_features
 
 
 def dflash_training_forward(
-    drafter: DFlashDraftModel, embedding: torch.nn.Module, batch: dict, target_hidden_states: torch.Tensor
+    drafter: torch.nn.Module, embedding: torch.nn.Module, batch: dict, target_hidden_states: torch.Tensor, block_size: int
 ) -> torch.Tensor:
     """Packed multi-block forward: (B, A*bs, H) drafter outputs for every block of the batch at once.
 
-    target_hidden_states (B, S, n*Ht) are the features of the clean sequence; each block sees those
-    strictly before its anchor and its own block (see `build_training_mask`).
+    `drafter` may be wrapped (DDP, PEFT). target_hidden_states (B, S, n*Ht) are the features of the
+    clean sequence; each block sees those strictly before its anchor and its own block
+    (see `build_training_mask`).
     """
     seq_len = batch["input_ids"].shape[1]
-    block_size = drafter.config.block_size
     mask = build_training_mask(batch["anchor_positions"], batch["anchor_valid"], seq_len, block_size)
     return drafter(
         noise_embeds=embedding(batch["block_ids"]),
@@ -108,14 +108,15 @@ class DFlashTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         drafter = self.accelerator.unwrap_model(model)
         features = self.target_features(inputs).to(next(drafter.parameters()).dtype)
-        hidden = dflash_training_forward(model, self.target.get_input_embeddings(), inputs, features)
+        block_size = drafter.config.block_size
+        hidden = dflash_training_forward(model, self.target.get_input_embeddings(), inputs, features, block_size)
         weights = inputs["loss_weights"]
         loss_sum, correct = weighted_cross_entropy_sum(hidden, self.target.get_output_embeddings(), inputs["labels"], weights)
         normaliser = num_items_in_batch if num_items_in_batch is not None else weights.sum()
         loss = loss_sum / normaliser.clamp_min(1e-6)
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
             loss = loss * self.accelerator.num_processes  # DDP averages gradients over processes
-        self._accumulate_metrics(correct, weights > 0, drafter.config.block_size)
+        self._accumulate_metrics(correct, weights > 0, block_size)
         return (loss, hidden) if return_outputs else loss
 
     def _accumulate_metrics(self, correct: torch.Tensor, supervised: torch.Tensor, block_size: int) -> None:
