@@ -119,6 +119,13 @@ class DFlashTrainer(Trainer):
         self._accumulate_metrics(correct, weights > 0, block_size)
         return (loss, hidden) if return_outputs else loss
 
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Evaluation = the training loss and metrics on held-out data (no logits are gathered)."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
     def _accumulate_metrics(self, correct: torch.Tensor, supervised: torch.Tensor, block_size: int) -> None:
         split = "train" if self.model.training else "eval"
         right, seen, tau = acceptance_estimate(correct.detach(), supervised, block_size)

@@ -1,0 +1,114 @@
+"""`hf-dflash train --config FILE.yaml`: build target, drafter, data and trainer from one config.
+
+```yaml
+target: smollm2-135m-instruct     # a known name (hf_dflash.models) or a local Transformers folder
+target_dtype: float32             # dtype of the frozen target (bfloat16 halves its memory)
+drafter:                          # DFlashConfig.from_target_config arguments, or init_from: FOLDER
+  num_hidden_layers: 3
+  num_target_features: 5
+data:
+  tokenized: out/data/tokenized   # tokenized-*.jsonl shards (hf-dflash prepare-data)
+  features: out/features          # cached features, used when training.feature_mode is offline
+  eval_samples: 32                # held out from the end of the data for evaluation
+lora: null                        # e.g. {r: 16, lora_alpha: 32, target_modules: [q_proj, v_proj]}
+training:                         # DFlashTrainingArguments fields
+  output_dir: out/drafter
+  block_size: 16
+  num_anchors: 64
+```
+A run whose `output_dir` already holds checkpoints resumes from the last one. The final drafter (LoRA
+merged) is saved Hub-native in `output_dir`.
+"""
+
+from pathlib import Path
+
+import torch
+import yaml
+from torch.utils.data import Subset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.trainer_utils import get_last_checkpoint
+
+from ..checkpoints import load_drafter
+from ..modeling_dflash import DFlashConfig, DFlashDraftModel
+from ..models import KNOWN_TARGETS, load_target
+from .arguments import DFlashTrainingArguments
+from .datasets import TokenizedDataset
+from .trainer import DFlashTrainer
+
+CONFIG_SECTIONS = {"target", "target_dtype", "drafter", "data", "lora", "training"}
+
+
+def load_train_config(path: str | Path) -> dict:
+    """Read and check the YAML training config (unknown sections are a ValueError)."""
+    try:
+        config = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path} is not valid YAML: {error}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a mapping with sections {sorted(CONFIG_SECTIONS)}.")
+    unknown = set(config) - CONFIG_SECTIONS
+    if unknown:
+        raise ValueError(f"{path}: unknown section(s) {sorted(unknown)}; allowed: {sorted(CONFIG_SECTIONS)}.")
+    for required in ("target", "data", "training"):
+        if required not in config:
+            raise ValueError(f"{path}: missing section {required!r}.")
+    return config
+
+
+def load_frozen_target(name: str, dtype: str):
+    """(target, tokenizer or None) from a known name or a local Transformers folder."""
+    if name in KNOWN_TARGETS:
+        return load_target(name, dtype=dtype)
+    target = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype)).eval()
+    has_tokenizer = any((Path(name) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+    return target, AutoTokenizer.from_pretrained(name) if has_tokenizer else None
+
+
+def build_drafter(section: dict, target, tokenizer, block_size: int) -> DFlashDraftModel:
+    section = dict(section or {})
+    if init_from := section.pop("init_from", None):
+        drafter = load_drafter(init_from)
+        if drafter.config.block_size != block_size:
+            raise ValueError(f"{init_from} has block_size {drafter.config.block_size}, training.block_size is {block_size}.")
+        return drafter.float()
+    section.setdefault("block_size", block_size)
+    if section["block_size"] != block_size:
+        raise ValueError(f"drafter.block_size={section['block_size']} differs from training.block_size={block_size}.")
+    return DFlashDraftModel(DFlashConfig.from_target_config(target.config, tokenizer=tokenizer, **section))
+
+
+def build_datasets(section: dict, args: DFlashTrainingArguments, drafter: DFlashDraftModel, vocab_size: int):
+    if args.feature_mode == "offline":
+        from .offline_features import OfflineFeatureDataset
+
+        dataset = OfflineFeatureDataset(
+            section["features"], section["tokenized"],
+            target_layer_ids=drafter.config.target_layer_ids, hidden_size=drafter.config.target_hidden_size,
+        )
+    else:
+        dataset = TokenizedDataset(section["tokenized"], vocab_size=vocab_size)
+    held_out = int(section.get("eval_samples", 0))
+    if held_out >= len(dataset):
+        raise ValueError(f"data.eval_samples={held_out} leaves no training data (dataset has {len(dataset)} samples).")
+    train = Subset(dataset, range(len(dataset) - held_out))
+    evaluation = Subset(dataset, range(len(dataset) - held_out, len(dataset))) if held_out else None
+    return train, evaluation
+
+
+def train_from_config(config: dict) -> DFlashTrainer:
+    """Run (or resume) a training described by a config dict; returns the finished trainer."""
+    args = DFlashTrainingArguments(**config["training"])
+    target, tokenizer = load_frozen_target(config["target"], config.get("target_dtype", "float32"))
+    drafter = build_drafter(config.get("drafter"), target, tokenizer, args.block_size)
+    model = drafter
+    if config.get("lora"):
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(drafter, LoraConfig(**config["lora"]))
+    train, evaluation = build_datasets(config["data"], args, drafter, target.get_input_embeddings().weight.shape[0])
+    trainer = DFlashTrainer(model, args, target=target, train_dataset=train, eval_dataset=evaluation)
+    last = get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
+    trainer.train(resume_from_checkpoint=last)
+    final = model.merge_and_unload() if config.get("lora") else drafter
+    final.save_pretrained(args.output_dir)
+    return trainer

@@ -1,0 +1,73 @@
+"""`hf-dflash train --config`: a YAML config trains, resumes, and saves a loadable drafter."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from hf_dflash.checkpoints import load_drafter
+from hf_dflash.trainer.datasets import TokenizedDataset
+from hf_dflash.trainer.train import load_train_config, train_from_config
+from tests.conftest import make_target
+from tests.test_trainer import samples
+
+
+def write_tokenized(folder, rows):
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / "tokenized-00000.jsonl").open("w") as handle:
+        for i, row in enumerate(rows):
+            handle.write(json.dumps({"id": f"s{i}", **row}) + "\n")
+
+
+@pytest.fixture
+def run_config(tmp_path):
+    target_dir = tmp_path / "target"
+    make_target("llama").save_pretrained(target_dir)
+    write_tokenized(tmp_path / "tokenized", samples(count=6))
+    config = {
+        "target": str(target_dir),
+        "drafter": {"num_hidden_layers": 1, "num_target_features": 2},
+        "data": {"tokenized": str(tmp_path / "tokenized"), "eval_samples": 2},
+        "training": {
+            "output_dir": str(tmp_path / "drafter"), "block_size": 4, "num_anchors": 4, "max_steps": 4,
+            "per_device_train_batch_size": 2, "save_steps": 2, "report_to": [], "use_cpu": True,
+            "eval_strategy": "steps", "eval_steps": 2, "logging_steps": 1,
+        },
+    }
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_train_from_yaml_saves_a_drafter_and_reports_tau(run_config):
+    trainer = train_from_config(load_train_config(run_config))
+    drafter = load_drafter(trainer.args.output_dir)
+    assert drafter.config.block_size == 4 and drafter.config.target_layer_ids == [1, 3]
+    assert any("eval_tau" in entry for entry in trainer.state.log_history)
+
+
+def test_a_rerun_resumes_from_the_last_checkpoint(run_config):
+    first = train_from_config(load_train_config(run_config))
+    early_checkpoint = Path(first.args.output_dir) / "checkpoint-2" / "trainer_state.json"
+    written = early_checkpoint.stat().st_mtime_ns
+    config = load_train_config(run_config)
+    config["training"]["max_steps"] = 6
+    second = train_from_config(config)
+    assert second.state.global_step == 6
+    assert (Path(first.args.output_dir) / "checkpoint-6").is_dir()
+    assert early_checkpoint.stat().st_mtime_ns == written  # steps 1-4 were not trained (and saved) again
+
+
+def test_bad_configs_and_data_are_named(tmp_path, run_config):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("target: x\nfoo: 1\n")
+    with pytest.raises(ValueError, match=r"unknown section\(s\) \['foo'\]"):
+        load_train_config(bad)
+    write_tokenized(tmp_path / "broken", [{"input_ids": [1, 2, 3], "loss_mask": [0, 1]}])
+    with pytest.raises(ValueError, match="tokenized-00000.jsonl:1: input_ids has 3 tokens but loss_mask has 2"):
+        TokenizedDataset(tmp_path / "broken")
+    write_tokenized(tmp_path / "big", [{"input_ids": [1, 500], "loss_mask": [0, 1]}])
+    with pytest.raises(ValueError, match=r"outside \[0, 128\)"):
+        TokenizedDataset(tmp_path / "big", vocab_size=128)
