@@ -1,5 +1,6 @@
 from .arguments import DFlashTrainingArguments
 from .collator import DFlashDataCollator
+from .datasets import TokenizedDataset
 from .maths import (
     acceptance_estimate,
     build_blocks,
@@ -9,6 +10,7 @@ from .maths import (
     select_anchors,
     weighted_cross_entropy_sum,
 )
+from .offline_features import OfflineFeatureDataset, cache_features, target_fingerprint
 from .target_features import compute_target_features
 from .trainer import DFlashTrainer, dflash_training_forward
 
@@ -16,13 +18,17 @@ __all__ = [
     "DFlashDataCollator",
     "DFlashTrainer",
     "DFlashTrainingArguments",
+    "OfflineFeatureDataset",
+    "TokenizedDataset",
     "acceptance_estimate",
     "build_blocks",
     "build_training_mask",
+    "cache_features",
     "compute_target_features",
     "decay_weights",
     "default_decay_gamma",
     "dflash_training_forward",
     "select_anchors",
+    "target_fingerprint",
     "weighted_cross_entropy_sum",
 ]
