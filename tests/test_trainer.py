@@ -185,3 +185,28 @@ def test_lora_fine_tuning_of_an_existing_drafter(tmp_path):
     assert isinstance(merged, DFlashDraftModel)
     changed = {key for key, value in before.items() if not torch.equal(value, merged.state_dict()[key])}
     assert changed == {f"layers.{i}.self_attn.{name}_proj.weight" for i in range(2) for name in ("q", "v")}
+
+
+def test_offline_features_give_the_online_loss(tmp_path):
+    """The same batch through cached (fp32) features and through the live target: same loss."""
+    import json
+
+    from hf_dflash.trainer import OfflineFeatureDataset, cache_features
+
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=BLOCK)
+    data = samples(count=4)
+    (tmp_path / "tok").mkdir()
+    with (tmp_path / "tok" / "tokenized-00000.jsonl").open("w") as handle:
+        for i, sample in enumerate(data):
+            handle.write(json.dumps({"id": f"s{i}", **sample}) + "\n")
+    cache_features(target, tmp_path / "tok", tmp_path / "features", [1, 3], dtype=torch.float32)
+    offline = OfflineFeatureDataset(tmp_path / "features", tmp_path / "tok", target_layer_ids=[1, 3], hidden_size=32)
+    losses = {}
+    for mode, dataset in (("online", data), ("offline", [offline[i] for i in range(4)])):
+        collator = DFlashDataCollator(BLOCK, 6, drafter.config.mask_token_id, 3.0, generator=torch.Generator().manual_seed(0))
+        trainer = DFlashTrainer(drafter, arguments(tmp_path / mode, feature_mode=mode), target=target, data_collator=collator)
+        batch = collator(dataset)
+        with torch.no_grad():
+            losses[mode] = trainer.compute_loss(drafter, batch)
+    torch.testing.assert_close(losses["offline"], losses["online"], rtol=1e-5, atol=1e-6)
