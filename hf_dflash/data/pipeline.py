@@ -1,0 +1,80 @@
+"""The whole data preparation: corpus -> regenerated replies -> tokenised training shards, resumable.
+
+    out/corpus/      prompts.jsonl, dropped.jsonl, summary.json   (build_corpus)
+    out/responses/   responses-00000.jsonl, ...                    (regenerate_responses)
+    out/tokenized/   tokenized-00000.jsonl, ..., summary.json      (tokenize_responses)
+
+Every stage records its settings in `config.json` and skips the work already done, so rerunning
+the same command after a kill continues where it stopped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ..models import DEFAULT_TARGET, load_target
+from .corpus import build_corpus
+from .regenerate import regenerate_responses
+from .shards import read_jsonl
+from .sources import TRAIN_SOURCES
+from .tokenize import tokenize_responses
+
+__all__ = ["prepare_data"]
+
+
+def prepare_data(
+    out_dir: str | Path,
+    *,
+    sources: Sequence[str] = tuple(TRAIN_SOURCES),
+    prompts_file: str | Path | None = None,
+    max_prompts: int | None = None,
+    target: str = DEFAULT_TARGET,
+    dtype: torch.dtype | str = torch.bfloat16,
+    temperature: float = 0.0,
+    max_new_tokens: int = 512,
+    batch_size: int = 8,
+    shard_size: int = 128,
+    max_length: int = 3072,
+    block_size: int = 16,
+    seed: int = 0,
+    progress: bool = True,
+    eval_suite: dict[str, list[dict]] | None = None,
+) -> dict:
+    """Run (or resume) the three stages into `out_dir`; returns {"corpus": summary, "tokenized": summary}.
+
+    Prompts whose rendered length leaves no room for `max_new_tokens` within `max_length` are skipped.
+    See `build_corpus`, `regenerate_responses` and `tokenize_responses` for the arguments.
+    """
+    if max_new_tokens >= max_length:
+        raise ValueError(f"max_new_tokens ({max_new_tokens}) must be smaller than max_length ({max_length}).")
+    out_dir = Path(out_dir)
+    corpus = build_corpus(
+        out_dir / "corpus",
+        sources,
+        prompts_file=prompts_file,
+        max_prompts=max_prompts,
+        seed=seed,
+        eval_suite=eval_suite,
+    )
+    prompts = list(read_jsonl(out_dir / "corpus" / "prompts.jsonl"))
+    model, tokenizer = load_target(target, dtype=dtype)
+    regenerate_responses(
+        model,
+        tokenizer,
+        prompts,
+        out_dir / "responses",
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        shard_size=shard_size,
+        max_prompt_tokens=max_length - max_new_tokens,
+        seed=seed,
+        progress=progress,
+    )
+    tokenized = tokenize_responses(
+        tokenizer, out_dir / "responses", out_dir / "tokenized", max_length=max_length, block_size=block_size
+    )
+    return {"corpus": corpus, "tokenized": tokenized}

