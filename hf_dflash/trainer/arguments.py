@@ -33,6 +33,9 @@ class DFlashTrainingArguments(TrainingArguments):
     warmup_steps: float = field(default=0.04, metadata={"help": "Warm-up steps, or a ratio in [0, 1) (paper: 4%)."})
     num_train_epochs: float = field(default=6.0, metadata={"help": "Epochs (paper: 6)."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping (paper: 1.0)."})
+    ddp_find_unused_parameters: bool | None = field(
+        default=False, metadata={"help": "Every drafter weight is used in each step: no unused-parameter search."}
+    )
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Must stay False: the DFlash collator needs loss_mask and features."}
     )

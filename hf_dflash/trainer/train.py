@@ -110,5 +110,6 @@ def train_from_config(config: dict) -> DFlashTrainer:
     last = get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
     trainer.train(resume_from_checkpoint=last)
     final = model.merge_and_unload() if config.get("lora") else drafter
-    final.save_pretrained(args.output_dir)
+    if trainer.is_world_process_zero():
+        final.save_pretrained(args.output_dir)
     return trainer
