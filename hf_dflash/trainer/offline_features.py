@@ -42,6 +42,7 @@ from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from ..packaged_files import file_sha256
 from .datasets import validate_sample
 from .target_features import compute_target_features
 
@@ -87,15 +88,6 @@ def feature_key(sample_id: str) -> str:
         return sample_id
     digest = hashlib.sha256(sample_id.encode()).hexdigest()[:12]
     return f"{_UNSAFE_CHARS.sub('_', sample_id)[:100]}-{digest}"
-
-
-def file_sha256(path: Path, chunk_size: int = 1 << 22) -> str:
-    """Hex SHA-256 of a file, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(chunk_size):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def read_safetensors_header(path: Path) -> dict:
