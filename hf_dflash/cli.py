@@ -212,7 +212,80 @@ def register_train(subparsers) -> None:
     parser.set_defaults(func=_run_train)
 
 
-COMMANDS: list[Callable] = [register_convert, register_demo, register_cache_features, register_prepare_data, register_train]
+def _run_export(args: argparse.Namespace) -> int:
+    from .hub_cards import export_drafter
+
+    out = export_drafter(
+        args.drafter,
+        args.out_dir,
+        target_id=args.target_id,
+        benchmark_json=args.benchmark,
+        training_record=args.training_record,
+        official=args.official,
+        license=args.license,
+        dtype=args.dtype,
+        repo_id=args.repo_id,
+    )
+    print(f"Wrote the Hub repository folder to {out}; publish it with: hf-dflash push {out} --repo-id ORG/NAME")
+    return 0
+
+
+def register_export(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "export",
+        help="write a drafter as a complete Hub repository folder (weights, remote code, model card)",
+        description="Write DRAFTER (either checkpoint format, folder or Hub id) into OUT_DIR as a Hub repository: "
+        "config.json with auto_map, the remote-code files, model.safetensors and a README.md model card filled "
+        "from the drafter config, the training record and the benchmark JSON (without them the card says so).",
+    )
+    parser.add_argument("drafter", help="drafter checkpoint folder (or Hub repo id)")
+    parser.add_argument("out_dir", help="new or empty output folder")
+    parser.add_argument(
+        "--target-id", required=True, help="the target's Hub id, e.g. HuggingFaceTB/SmolLM2-135M-Instruct"
+    )
+    parser.add_argument(
+        "--repo-id", default=None, help="the drafter's own Hub id for the card's snippets (default: set by push)"
+    )
+    parser.add_argument("--benchmark", default=None, help="benchmark JSON: {command, machine, settings, sets}")
+    parser.add_argument(
+        "--training-record", default=None, help="training_record.json written by training (in its output_dir)"
+    )
+    parser.add_argument("--official", action="store_true", help="also write official/ for vLLM / SGLang")
+    parser.add_argument("--dtype", default=None, help="cast the weights, e.g. bfloat16 (default: keep)")
+    parser.add_argument("--license", default="apache-2.0", help="card license (default: %(default)s)")
+    parser.set_defaults(func=_run_export)
+
+
+def _run_push(args: argparse.Namespace) -> int:
+    from .hub_cards import push_folder
+
+    url = push_folder(args.out_dir, args.repo_id, private=not args.public)
+    print(f"Pushed {args.out_dir} to {url} ({'public' if args.public else 'private'})")
+    return 0
+
+
+def register_push(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "push",
+        help="upload a folder written by `hf-dflash export` to the Hugging Face Hub",
+        description="Create the model repository (private unless --public; an existing one keeps its visibility) "
+        "and upload OUT_DIR. Needs a token with write access: `hf auth login` or HF_TOKEN.",
+    )
+    parser.add_argument("out_dir", help="folder written by `hf-dflash export`")
+    parser.add_argument("--repo-id", required=True, help="target repository, e.g. me/SmolLM2-135M-Instruct-DFlash")
+    parser.add_argument("--public", action="store_true", help="create the repository public (default: private)")
+    parser.set_defaults(func=_run_push)
+
+
+COMMANDS: list[Callable] = [
+    register_convert,
+    register_demo,
+    register_cache_features,
+    register_prepare_data,
+    register_train,
+    register_export,
+    register_push,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

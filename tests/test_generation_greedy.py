@@ -164,3 +164,11 @@ def test_greedy_with_logits_processors_matches_plain():
     assert torch.equal(
         target.generate(input_ids, assistant_model=drafter, **kwargs), target.generate(input_ids, **kwargs)
     )
+
+
+def test_greedy_tokens_break_ties_like_argmax():
+    from hf_dflash.generation.verification import greedy_tokens
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 3, (200, 64), generator=generator).float()  # many ties
+    assert torch.equal(greedy_tokens(logits), logits.argmax(-1))

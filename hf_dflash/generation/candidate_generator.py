@@ -10,7 +10,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..modeling_dflash import DFlashDraftModel
 from .pairing import check_pairing
-from .verification import process_draft_logits
+from .verification import greedy_tokens, process_draft_logits
 
 
 @dataclass
@@ -115,7 +115,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
             probs = logits.softmax(-1)
             drafts = torch.multinomial(probs[0], 1).view(1, -1)
             return torch.cat([input_ids, drafts], dim=-1), probs
-        return torch.cat([input_ids, logits.argmax(-1)], dim=-1), logits
+        return torch.cat([input_ids, greedy_tokens(logits)], dim=-1), logits
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         """Record τ = num_matches + 1 for the round that was just verified."""

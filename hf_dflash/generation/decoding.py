@@ -24,7 +24,7 @@ from transformers.generation.candidate_generator import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .candidate_generator import DFlashCandidateGenerator
-from .verification import greedy_accept, process_block_logits, speculative_sample
+from .verification import greedy_accept, greedy_tokens, process_block_logits, speculative_sample
 
 
 # Transformers 5.24 renamed the output's `past_key_values` field to `cache`.
@@ -123,7 +123,7 @@ def dflash_decoding(
             else:
                 new_tokens = torch.multinomial(target_probs[0], 1).view(1, -1)
         else:
-            new_tokens = greedy_accept(candidate_ids[:, cur_len:], processed.argmax(-1))
+            new_tokens = greedy_accept(candidate_ids[:, cur_len:], greedy_tokens(processed))
 
         # Commit token by token up to the first stop (EOS, stop string, length, time, custom).
         sequence = torch.cat([input_ids, new_tokens], dim=-1)

@@ -1,0 +1,146 @@
+"""The model card of a published drafter: `template.md` rendered through `huggingface_hub.ModelCard`.
+
+Three inputs fill it:
+* the drafter's `DFlashConfig` (block size, layers, `target_layer_ids`, `mask_token_id`) and the
+  target's Hub id (`base_model`);
+* optionally the trainer's `training_record.json` and the latest benchmark JSON (both schemas:
+  `hf_dflash.hub_cards.schemas`).
+
+Numbers are written exactly as they appear in the JSON (the benchmark decides their precision);
+without a benchmark or record the card says so and shows no numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from importlib import resources
+
+from huggingface_hub import ModelCard, ModelCardData
+
+from ..modeling_dflash import DFlashConfig
+from .schemas import load_benchmark, load_training_record
+
+TAGS = ["dflash", "speculative-decoding", "block-diffusion"]
+# Written into the usage snippets when the repo id is not known yet; `push_folder` replaces it.
+REPO_ID_PLACEHOLDER = "your-org/your-dflash-drafter"
+
+
+def format_number(value: int | float) -> str:
+    """A JSON number exactly as JSON writes it (the card shows the benchmark's own digits)."""
+    return json.dumps(value)
+
+
+def _cell(text) -> str:
+    """Text safe inside a Markdown table cell."""
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _value(value) -> str:
+    """A setting or hyper-parameter: strings as they are, anything else as JSON."""
+    return _cell(value if isinstance(value, str) else json.dumps(value))
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    if hours:
+        return f"{hours} h {minutes:02d} min"
+    if minutes:
+        return f"{minutes} min {secs:02d} s"
+    return f"{seconds:.3g} s"
+
+
+def _count(value: int) -> str:
+    for limit, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if value >= limit:
+            return f"{value / limit:.2f} {suffix}"
+    return str(value)
+
+
+def _benchmark_context(benchmark: dict) -> dict:
+    rows = [
+        {
+            "name": _cell(name),
+            **{key: format_number(row[key]) for key in ("n", "tau", "speedup", "plain_tok_s", "dflash_tok_s")},
+            "identical": "yes" if row["identical"] else "no",
+        }
+        for name, row in benchmark["sets"].items()
+    ]
+    settings = [(_cell(key), _value(value)) for key, value in benchmark["settings"].items()]
+    return {
+        "command": benchmark["command"].replace("`", "'"),
+        "machine": _cell(benchmark["machine"]),
+        "rows": rows,
+        "settings": settings,
+    }
+
+
+def _training_context(record: dict) -> dict:
+    sources = record["data_sources"]
+    return {
+        "num_samples": record.get("num_samples", sum(sources.values())),
+        "supervised_tokens": record.get("supervised_tokens"),
+        "time": _duration(record["training_time_s"]),
+        "hardware": record.get("hardware"),
+        "global_steps": record.get("global_steps"),
+        "sources": [(_cell(name), count) for name, count in sources.items()],
+        "hyperparameters": [(_cell(k), _value(v)) for k, v in record["hyperparameters"].items()],
+        "final_metrics": [(_cell(k), format_number(v)) for k, v in record.get("final_metrics", {}).items()],
+    }
+
+
+def render_model_card(
+    config: DFlashConfig,
+    target_id: str,
+    repo_id: str | None = None,
+    benchmark: str | os.PathLike | dict | None = None,
+    training_record: str | os.PathLike | dict | None = None,
+    official: bool = False,
+    license: str = "apache-2.0",
+    weights_dtype: str = "float32",
+    num_parameters: int | None = None,
+) -> ModelCard:
+    """The drafter's `ModelCard`: YAML metadata (`base_model`, `library_name`, `tags`, `pipeline_tag`,
+    `license`, `datasets`) and the body from `template.md`.
+
+    `repo_id` is the drafter's own Hub id, used in the usage snippets (default: a placeholder that
+    `push_folder` fills in). `official` says whether the repo has an `official/` folder.
+    """
+    bench = load_benchmark(benchmark) if benchmark is not None else None
+    record = load_training_record(training_record) if training_record is not None else None
+    datasets = None
+    if record is not None:
+        datasets = list(record.get("datasets") or record["data_sources"])
+    card_data = ModelCardData(
+        base_model=target_id,
+        library_name="transformers",
+        tags=list(TAGS),
+        pipeline_tag="text-generation",
+        license=license,
+        datasets=datasets,
+    )
+    template = resources.files(__package__).joinpath("template.md").read_text(encoding="utf-8")
+    return ModelCard.from_template(
+        card_data,
+        template_str=template,
+        model_name=f"DFlash drafter for {target_id.split('/')[-1]}",
+        target_id=target_id,
+        repo_id=repo_id or REPO_ID_PLACEHOLDER,
+        local_dir="dflash-drafter",
+        official=official,
+        block_size=config.block_size,
+        num_speculative_tokens=config.block_size - 1,
+        num_hidden_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        num_target_layers=config.num_target_layers,
+        target_layer_ids=list(config.target_layer_ids),
+        mask_token_id=config.mask_token_id,
+        num_parameters=_count(num_parameters) if num_parameters is not None else "unknown",
+        weights_dtype=weights_dtype,
+        benchmark=_benchmark_context(bench) if bench is not None else None,
+        training=_training_context(record) if record is not None else None,
+    )
+
+
+__all__ = ["REPO_ID_PLACEHOLDER", "TAGS", "format_number", "render_model_card"]

@@ -1,0 +1,149 @@
+"""A drafter as a complete Hub repository folder, and pushing that folder to the Hub.
+
+    export_drafter("out/drafter", "out/repo", target_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+                   benchmark_json="out/bench.json", training_record="out/drafter/training_record.json",
+                   official=True, dtype="bfloat16", repo_id="me/SmolLM2-135M-Instruct-DFlash")
+    push_folder("out/repo", "me/SmolLM2-135M-Instruct-DFlash")   # private unless private=False
+
+The folder (Hub-native checkpoint, SPEC §2):
+
+    config.json                 model_type "dflash", auto_map -> the two remote-code files
+    configuration_dflash.py     remote code (imports only torch / transformers)
+    modeling_dflash.py
+    model.safetensors
+    README.md                   model card (hf_dflash/hub_cards/template.md)
+    benchmark.json              when a benchmark was given (validated copy)
+    training_record.json        when a training record was given (validated copy)
+    official/                   when official=True: config.json (model_type "qwen3" + dflash_config)
+                                and model.safetensors, for vLLM / SGLang / SpecForge
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import huggingface_hub
+import torch
+
+from ..checkpoints import CONFIG_NAME, _as_dtype, load_drafter, save_hub, save_official
+from .card import REPO_ID_PLACEHOLDER, render_model_card
+from .schemas import BENCHMARK_NAME, TRAINING_RECORD_NAME, load_benchmark, load_training_record
+
+OFFICIAL_SUBFOLDER = "official"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+LOGIN_HINT = (
+    "log in with `hf auth login` (a token with write access from https://huggingface.co/settings/tokens), "
+    "or set HF_TOKEN=hf_..., or pass token=..."
+)
+
+
+def _check_hub_id(value: str, name: str) -> None:
+    if not isinstance(value, str) or not _HUB_ID.match(value) or "--" in value or ".." in value:
+        raise ValueError(
+            f"{name}={value!r} is not a Hub repository id; use 'org/name', e.g. 'HuggingFaceTB/SmolLM2-135M-Instruct'."
+        )
+
+
+def export_drafter(
+    drafter_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    target_id: str,
+    benchmark_json: str | os.PathLike | dict | None = None,
+    training_record: str | os.PathLike | dict | None = None,
+    official: bool = False,
+    license: str = "apache-2.0",
+    dtype: str | torch.dtype | None = None,
+    repo_id: str | None = None,
+) -> Path:
+    """Write a complete Hub repository folder for a drafter; returns `out_dir`.
+
+    Args:
+        drafter_path: a drafter checkpoint in either format (folder or Hub id; `load_drafter`).
+        out_dir: a new or empty folder.
+        target_id: the target's Hub id (card `base_model`), e.g. "HuggingFaceTB/SmolLM2-135M-Instruct".
+        benchmark_json, training_record: JSON files (or dicts) for the card; validated before
+            anything is written. Without them the card says that no numbers are available.
+        official: also write `official/` in the official format (vLLM / SGLang).
+        license: the card's `license` metadata.
+        dtype: cast the written weights (e.g. "bfloat16"); default: keep the stored dtype.
+        repo_id: the drafter's own Hub id for the usage snippets; when None, a placeholder that
+            `push_folder` replaces with the id it pushes to.
+    """
+    _check_hub_id(target_id, "target_id")
+    if repo_id is not None:
+        _check_hub_id(repo_id, "repo_id")
+    # Validate every input before the first file is written.
+    benchmark = load_benchmark(benchmark_json) if benchmark_json is not None else None
+    record = load_training_record(training_record) if training_record is not None else None
+    weights_dtype = _as_dtype(dtype)
+    out = Path(out_dir)
+    if out.is_file() or (out.is_dir() and any(out.iterdir())):
+        raise ValueError(
+            f"{out} exists and is not empty; export into a new or empty folder (stale files would be uploaded)."
+        )
+
+    drafter = load_drafter(drafter_path)
+    weights_dtype = weights_dtype or drafter.dtype
+    save_hub(drafter, out, dtype=weights_dtype, model_card=False)
+    if official:
+        save_official(drafter, out / OFFICIAL_SUBFOLDER, dtype=weights_dtype)
+    for name, data in ((BENCHMARK_NAME, benchmark), (TRAINING_RECORD_NAME, record)):
+        if data is not None:
+            (out / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+    card = render_model_card(
+        drafter.config,
+        target_id,
+        repo_id=repo_id,
+        benchmark=benchmark,
+        training_record=record,
+        official=official,
+        license=license,
+        weights_dtype=str(weights_dtype).removeprefix("torch."),
+        num_parameters=sum(p.numel() for p in drafter.parameters()),
+    )
+    card.save(out / "README.md")
+    return out
+
+
+def push_folder(
+    out_dir: str | os.PathLike,
+    repo_id: str,
+    private: bool = True,
+    token: str | None = None,
+) -> str:
+    """Create `repo_id` on the Hub (private by default; an existing repo keeps its visibility) and
+    upload the folder written by `export_drafter`. Returns the repository URL.
+
+    A card exported without `repo_id` gets the id written into its usage snippets first.
+    Without a token (`token=`, `HF_TOKEN` or `hf auth login`) raises a ValueError saying how to log in.
+    """
+    folder = Path(out_dir)
+    _check_hub_id(repo_id, "repo_id")
+    missing = [name for name in (CONFIG_NAME, "README.md") if not (folder / name).is_file()]
+    if missing:
+        raise ValueError(f"{folder} lacks {missing}; write the folder with `hf-dflash export` first.")
+    token = token or huggingface_hub.get_token()
+    if not token:
+        raise ValueError(f"No Hugging Face token found to push {repo_id}: {LOGIN_HINT}.")
+
+    card_file = folder / "README.md"
+    card = card_file.read_text(encoding="utf-8")
+    if REPO_ID_PLACEHOLDER in card:
+        card_file.write_text(card.replace(REPO_ID_PLACEHOLDER, repo_id), encoding="utf-8")
+
+    api = huggingface_hub.HfApi(token=token)
+    url = api.create_repo(repo_id=repo_id, repo_type="model", private=private, exist_ok=True)
+    api.upload_folder(
+        repo_id=repo_id,
+        repo_type="model",
+        folder_path=str(folder),
+        commit_message="Upload DFlash drafter (hf-dflash export)",
+    )
+    return str(url)
+
+
+__all__ = ["OFFICIAL_SUBFOLDER", "export_drafter", "push_folder"]
