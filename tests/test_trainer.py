@@ -45,7 +45,7 @@ def test_packed_training_forward_equals_inference_forward_per_block():
     features = compute_target_features(target, batch["input_ids"], drafter.config.target_layer_ids, batch["attention_mask"])
     embedding = target.get_input_embeddings()
     with torch.no_grad():
-        packed = dflash_training_forward(drafter, embedding, batch, features, BLOCK)
+        packed = dflash_training_forward(drafter, embedding, batch, features, drafter.config)
         for row in range(2):
             for anchor in range(batch["anchor_positions"].shape[1]):
                 if not batch["anchor_valid"][row, anchor]:
@@ -210,3 +210,31 @@ def test_offline_features_give_the_online_loss(tmp_path):
         with torch.no_grad():
             losses[mode] = trainer.compute_loss(drafter, batch)
     torch.testing.assert_close(losses["offline"], losses["online"], rtol=1e-5, atol=1e-6)
+
+
+def test_flex_block_mask_equals_the_dense_mask_and_gives_the_same_forward():
+    """The flex-attention BlockMask (GPU training) encodes exactly the dense SDPA/eager mask."""
+    from hf_dflash.trainer.maths import build_training_block_mask, build_training_mask, training_mask_mod
+
+    target = make_target("qwen3")
+    collator = DFlashDataCollator(BLOCK, num_anchors=5, mask_token_id=127, gamma=3.0)
+    batch = collator(samples(count=2))
+    anchors, valid, seq_len = batch["anchor_positions"], batch["anchor_valid"], batch["input_ids"].shape[1]
+    dense = build_training_mask(anchors, valid, seq_len, BLOCK)[:, 0]
+    queries, keys = torch.arange(dense.shape[1]), torch.arange(dense.shape[2])
+    mask_mod = training_mask_mod(anchors, valid, seq_len, BLOCK)
+    for row in range(2):
+        evaluated = mask_mod(torch.tensor(row), None, queries[:, None], keys[None, :])
+        assert torch.equal(evaluated, dense[row])
+    features = compute_target_features(target, batch["input_ids"], [1, 3], batch["attention_mask"])
+    outputs = {}
+    for implementation in ("sdpa", "flex_attention"):
+        drafter = make_drafter(target, block_size=BLOCK)
+        drafter.set_attn_implementation(implementation)
+        with torch.no_grad():
+            outputs[implementation] = dflash_training_forward(
+                drafter, target.get_input_embeddings(), batch, features, drafter.config
+            )
+    assert build_training_block_mask(anchors, valid, seq_len, BLOCK).shape[-2:] == dense.shape[-2:]
+    torch.testing.assert_close(outputs["flex_attention"], outputs["sdpa"], rtol=1e-4, atol=1e-5)
+    assert not torch.isnan(outputs["sdpa"]).any()  # padding blocks produce no NaN

@@ -108,6 +108,33 @@ def build_training_mask(
     return torch.cat([context, own_block], dim=-1)[:, None]
 
 
+def training_mask_mod(anchor_positions: torch.LongTensor, anchor_valid: torch.BoolTensor, seq_len: int, block_size: int):
+    """The rule of `build_training_mask` as a flex-attention `mask_mod(b, h, q_idx, kv_idx)`: query q is
+    slot q % bs of block q // bs; key kv < S is context position kv, key kv >= S is block token kv - S."""
+
+    def mask_mod(batch, head, q_idx, kv_idx):
+        block = q_idx // block_size
+        anchor = anchor_positions[batch, block]
+        sees_context = (kv_idx < seq_len) & (kv_idx < anchor) & anchor_valid[batch, block]
+        sees_own_block = (kv_idx >= seq_len) & ((kv_idx - seq_len) // block_size == block)
+        return sees_context | sees_own_block
+
+    return mask_mod
+
+
+def build_training_block_mask(
+    anchor_positions: torch.LongTensor, anchor_valid: torch.BoolTensor, seq_len: int, block_size: int
+):
+    """Flex-attention `BlockMask` of the packed forward (same rule as `build_training_mask`): only the
+    tiles that hold visible keys are computed, which is what makes 512 anchors affordable on GPU."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, num_anchors = anchor_positions.shape
+    queries = num_anchors * block_size
+    mask_mod = training_mask_mod(anchor_positions, anchor_valid, seq_len, block_size)
+    return create_block_mask(mask_mod, batch, None, queries, seq_len + queries, device=anchor_positions.device)
+
+
 def training_position_ids(block_positions: torch.LongTensor, seq_len: int) -> torch.LongTensor:
     """(B, S + A*bs) positions of [context tokens 0..S-1, block tokens]."""
     context = torch.arange(seq_len, device=block_positions.device).expand(block_positions.shape[0], -1)

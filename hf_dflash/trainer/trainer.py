@@ -4,24 +4,36 @@ its features, embedding and LM head. Checkpoints therefore hold the drafter alon
 import torch
 from transformers import PreTrainedModel, Trainer
 
-from ..modeling_dflash import DFlashDraftModel
+from ..modeling_dflash import DFlashConfig, DFlashDraftModel
 from .arguments import DFlashTrainingArguments
 from .collator import DFlashDataCollator
-from .maths import acceptance_estimate, build_training_mask, training_position_ids, weighted_cross_entropy_sum
+from .maths import (
+    acceptance_estimate,
+    build_training_block_mask,
+    build_training_mask,
+    training_position_ids,
+    weighted_cross_entropy_sum,
+)
 from .target_features import compute_target_features
 
 
 def dflash_training_forward(
-    drafter: torch.nn.Module, embedding: torch.nn.Module, batch: dict, target_hidden_states: torch.Tensor, block_size: int
+    drafter: torch.nn.Module,
+    embedding: torch.nn.Module,
+    batch: dict,
+    target_hidden_states: torch.Tensor,
+    config: DFlashConfig,
 ) -> torch.Tensor:
     """Packed multi-block forward: (B, A*bs, H) drafter outputs for every block of the batch at once.
 
-    `drafter` may be wrapped (DDP, PEFT). target_hidden_states (B, S, n*Ht) are the features of the
+    `drafter` may be wrapped (DDP, PEFT); `config` is its `DFlashConfig` (block size, attention
+    implementation: flex attention gets a `BlockMask`, SDPA/eager a dense mask). target_hidden_states (B, S, n*Ht) are the features of the
     clean sequence; each block sees those strictly before its anchor and its own block
     (see `build_training_mask`).
     """
     seq_len = batch["input_ids"].shape[1]
-    mask = build_training_mask(batch["anchor_positions"], batch["anchor_valid"], seq_len, block_size)
+    build = build_training_block_mask if config._attn_implementation == "flex_attention" else build_training_mask
+    mask = build(batch["anchor_positions"], batch["anchor_valid"], seq_len, config.block_size)
     return drafter(
         noise_embeds=embedding(batch["block_ids"]),
         context_hidden_states=target_hidden_states,
@@ -108,15 +120,14 @@ class DFlashTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         drafter = self.accelerator.unwrap_model(model)
         features = self.target_features(inputs).to(next(drafter.parameters()).dtype)
-        block_size = drafter.config.block_size
-        hidden = dflash_training_forward(model, self.target.get_input_embeddings(), inputs, features, block_size)
+        hidden = dflash_training_forward(model, self.target.get_input_embeddings(), inputs, features, drafter.config)
         weights = inputs["loss_weights"]
         loss_sum, correct = weighted_cross_entropy_sum(hidden, self.target.get_output_embeddings(), inputs["labels"], weights)
         normaliser = num_items_in_batch if num_items_in_batch is not None else weights.sum()
         loss = loss_sum / normaliser.clamp_min(1e-6)
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
             loss = loss * self.accelerator.num_processes  # DDP averages gradients over processes
-        self._accumulate_metrics(correct, weights > 0, block_size)
+        self._accumulate_metrics(correct, weights > 0, drafter.config.block_size)
         return (loss, hidden) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
