@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 
 import huggingface_hub
@@ -134,6 +135,12 @@ def push_folder(
     card = card_file.read_text(encoding="utf-8")
     if REPO_ID_PLACEHOLDER in card:
         card_file.write_text(card.replace(REPO_ID_PLACEHOLDER, repo_id), encoding="utf-8")
+    elif f'"{repo_id}"' not in card:
+        warnings.warn(
+            f"{card_file} does not mention {repo_id}: its usage snippets load another repository. "
+            f"Re-export with --repo-id {repo_id} (or without --repo-id) to fix them.",
+            stacklevel=2,
+        )
 
     api = huggingface_hub.HfApi(token=token)
     url = api.create_repo(repo_id=repo_id, repo_type="model", private=private, exist_ok=True)

@@ -150,7 +150,7 @@ def weighted_cross_entropy_sum(
     Returns (loss_sum scalar, correct (B, T) bool: argmax == label, False where w == 0).
     """
     selected = weights > 0
-    logits = lm_head(hidden_states[selected]).float()  # (N, V)
+    logits = lm_head(hidden_states[selected].to(lm_head.weight.dtype)).float()  # (N, V); the head may be bf16
     chosen = labels[selected]
     loss_sum = (F.cross_entropy(logits, chosen, reduction="none") * weights[selected]).sum()
     correct = torch.zeros_like(selected)
