@@ -52,6 +52,7 @@ class TargetSpec:
     gguf_file: str  # file name inside the package folder
     sha256: str  # of the GGUF file, checked before converting
     description: str = ""
+    hub_id: str = ""  # the same model on the Hub (the `base_model` of a drafter's card)
 
     @property
     def install_hint(self) -> str:
@@ -68,6 +69,7 @@ KNOWN_TARGETS: dict[str, TargetSpec] = {
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         description="SmolLM2-135M-Instruct (llama, 30 layers, hidden 576, vocab 49152, chat template)",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
 }
 

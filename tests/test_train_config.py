@@ -78,3 +78,16 @@ def test_cli_train_command(run_config, capsys):
 
     assert main(["train", "--config", str(run_config)]) == 0
     assert "Saved the trained drafter" in capsys.readouterr().out
+
+
+def test_training_writes_record_and_a_dflash_card(run_config):
+    from huggingface_hub import ModelCard
+
+    trainer = train_from_config(load_train_config(run_config))
+    output = Path(trainer.args.output_dir)
+    record = json.loads((output / "training_record.json").read_text())
+    assert record["data_sources"] == {"tokenized": 4} and record["hyperparameters"]["block_size"] == 4
+    card = ModelCard.load(output / "README.md")
+    assert {"dflash", "speculative-decoding", "block-diffusion"} <= set(card.data.tags)
+    assert card.data.library_name == "transformers" and "No training record was provided" not in card.text
+    assert "block size" in card.text.lower()

@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..checkpoints import load_drafter
+from ..hub_cards import TrainingRecordCallback, record_data_from_prepare_data
 from ..modeling_dflash import DFlashConfig, DFlashDraftModel
 from ..models import KNOWN_TARGETS, load_target
 from .arguments import DFlashTrainingArguments
@@ -106,10 +107,24 @@ def train_from_config(config: dict) -> DFlashTrainer:
 
         model = get_peft_model(drafter, LoraConfig(**config["lora"]))
     train, evaluation = build_datasets(config["data"], args, drafter, target.get_input_embeddings().weight.shape[0])
-    trainer = DFlashTrainer(model, args, target=target, train_dataset=train, eval_dataset=evaluation)
+    record = TrainingRecordCallback(**training_data_record(Path(config["data"]["tokenized"]), len(train)))
+    trainer = DFlashTrainer(
+        model, args, target=target, train_dataset=train, eval_dataset=evaluation, callbacks=[record]
+    )
     last = get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
     trainer.train(resume_from_checkpoint=last)
     final = model.merge_and_unload() if config.get("lora") else drafter
     if trainer.is_world_process_zero():
         final.save_pretrained(args.output_dir)
+        trainer.create_model_card()
+    if args.push_to_hub:
+        trainer.push_to_hub()
     return trainer
+
+
+def training_data_record(tokenized: Path, num_samples: int) -> dict:
+    """What the training record says about the data: per-source counts from an `hf-dflash prepare-data`
+    folder when `tokenized` lives in one, else the folder name and the sample count."""
+    if (tokenized.parent / "corpus" / "summary.json").is_file():
+        return record_data_from_prepare_data(tokenized.parent)
+    return {"data_sources": {tokenized.name: num_samples}, "num_samples": num_samples}

@@ -1,8 +1,14 @@
 """`DFlashTrainer`: a `Trainer` whose model is the drafter; the target is frozen and only lends
 its features, embedding and LM head. Checkpoints therefore hold the drafter alone, Hub-native."""
 
+from pathlib import Path
+
 import torch
 from transformers import PreTrainedModel, Trainer
+
+from ..hub_cards import TAGS as CARD_TAGS
+from ..hub_cards import TRAINING_RECORD_NAME, render_model_card
+from ..models import KNOWN_TARGETS
 
 from ..modeling_dflash import DFlashConfig, DFlashDraftModel
 from .arguments import DFlashTrainingArguments
@@ -68,7 +74,7 @@ class DFlashTrainer(Trainer):
     Logged metrics: loss, per-slot accuracy `acc_k`, and `tau` (expected acceptance length).
     """
 
-    _tag_names = ["dflash", "speculative-decoding", "block-diffusion"]
+    _tag_names = list(CARD_TAGS)  # the tags of the model card (`create_model_card`)
     _name = "DFlash"
 
     def __init__(
@@ -129,6 +135,26 @@ class DFlashTrainer(Trainer):
             loss = loss * self.accelerator.num_processes  # DDP averages gradients over processes
         self._accumulate_metrics(correct, weights > 0, drafter.config.block_size)
         return (loss, hidden) if return_outputs else loss
+
+    def create_model_card(self, model_name: str | None = None, license: str = "apache-2.0", **kwargs) -> None:
+        """Write the DFlash card (`hf_dflash.hub_cards` template, tagged with `_tag_names`) instead of
+        Transformers' generic draft: drafter config, target as `base_model`, and this run's
+        `training_record.json` when a `TrainingRecordCallback` wrote one. `push_to_hub` uploads it."""
+        if not self.is_world_process_zero():
+            return
+        output_dir = Path(self.args.output_dir)
+        record = output_dir / TRAINING_RECORD_NAME
+        target_id = self.args.target_name_or_path or self.target.config.name_or_path or "unknown-target"
+        spec = KNOWN_TARGETS.get(target_id)
+        card = render_model_card(
+            self.accelerator.unwrap_model(self.model).config,
+            target_id=spec.hub_id if spec else target_id,
+            repo_id=self.args.hub_model_id,
+            training_record=record if record.is_file() else None,
+            license=license,
+        )
+        card.data.tags = sorted(set(card.data.tags or []) | set(self._tag_names))
+        card.save(output_dir / "README.md")
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Evaluation = the training loss and metrics on held-out data (no logits are gathered)."""
