@@ -90,4 +90,4 @@ def test_training_writes_record_and_a_dflash_card(run_config):
     card = ModelCard.load(output / "README.md")
     assert {"dflash", "speculative-decoding", "block-diffusion"} <= set(card.data.tags)
     assert card.data.library_name == "transformers" and "No training record was provided" not in card.text
-    assert "block size" in card.text.lower()
+    assert "| block_size | 4 (anchor + 3 drafted tokens) |" in card.text
