@@ -172,3 +172,19 @@ def test_greedy_tokens_break_ties_like_argmax():
     generator = torch.Generator().manual_seed(0)
     logits = torch.randint(0, 3, (200, 64), generator=generator).float()  # many ties
     assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_sliding_window_target_rolls_back_rejected_drafts(block_size):
+    """A target whose layers use a sliding window (cache cropped past the window) stays lossless."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from tests.conftest import COMMON
+
+    torch.manual_seed(0)
+    config = MistralConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=6)
+    target = MistralForCausalLM(config).eval()
+    drafter = make_drafter(target, block_size=block_size)
+    input_ids = prompt(8, length=9)
+    kwargs = dict(do_sample=False, max_new_tokens=30, eos_token_id=None)
+    assert torch.equal(target.generate(input_ids, assistant_model=drafter, **kwargs), target.generate(input_ids, **kwargs))

@@ -76,10 +76,11 @@ def dflash_decoding(
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is None:
         raise ValueError("DFlash generation needs a target cache; do not pass use_cache=False.")
+    cache.activate_past_recording()  # sliding-window layers must be able to roll back rejected drafts
 
     generator = DFlashCandidateGenerator(assistant_model, model, generation_config, logits_processor)
-    overrides = dict(generation_config.output_hidden_states and {"output_hidden_states": True} or {})
-    overrides = overrides or generator.model_kwargs_overrides
+    # The drafter needs a few layers' hidden states; a caller asking for all of them gets all of them.
+    overrides = {"output_hidden_states": True} if generation_config.output_hidden_states else generator.model_kwargs_overrides
     want_dict = generation_config.return_dict_in_generate
     scores = () if want_dict and generation_config.output_scores else None
     raw_logits = () if want_dict and generation_config.output_logits else None
