@@ -25,6 +25,7 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from .json_files import read_json_object
 from .modeling_dflash import DFlashConfig, DFlashDraftModel
 
 CONFIG_NAME = "config.json"
@@ -94,13 +95,7 @@ def _read_config(path: Path) -> dict:
     config_file = path / CONFIG_NAME
     if not config_file.is_file():
         raise ValueError(f"{path} has no {CONFIG_NAME}; is it a DFlash drafter checkpoint folder?")
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{config_file} is not valid JSON: {error}") from error
-    if not isinstance(config, dict):
-        raise ValueError(f"{config_file} must hold a JSON object, got {type(config).__name__}.")
-    return config
+    return read_json_object(config_file, "config")
 
 
 def _weight_files(path: Path) -> list[Path]:

@@ -1,6 +1,5 @@
 """SPEC §5 oracle 3: speculative sampling preserves the target distribution (chi-square)."""
 
-import pytest
 import torch
 from scipy.stats import chisquare
 

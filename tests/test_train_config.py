@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from hf_dflash.checkpoints import load_drafter

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from .schemas import TRAINING_RECORD_NAME, read_json_object, validate_training_record
+from ..json_files import read_json_object
+from .schemas import TRAINING_RECORD_NAME, validate_training_record
 
 # TrainingArguments / DFlashTrainingArguments fields copied into the record (those that are set).
 RECORDED_ARGUMENTS = (

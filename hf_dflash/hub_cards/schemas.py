@@ -28,9 +28,9 @@ Benchmark JSON (written by the benchmark command; extra keys are allowed and ign
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
+
+from ..json_files import read_json_object
 
 TRAINING_RECORD_NAME = "training_record.json"
 BENCHMARK_NAME = "benchmark.json"
@@ -53,20 +53,6 @@ RECORD_OPTIONAL = {
     "final_metrics": dict,
 }
 _JSON_TYPES = {str: "string", dict: "object", list: "array", int: "integer", float: "number", bool: "boolean"}
-
-
-def read_json_object(path: str | os.PathLike, what: str) -> dict:
-    """A JSON object from a file, with errors that name the file."""
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"{what} file {file} does not exist.")
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{file} is not valid JSON: {error}") from error
-    if not isinstance(data, dict):
-        raise ValueError(f"{file} must hold a JSON object, got {type(data).__name__}.")
-    return data
 
 
 def _type_ok(value, expected: type) -> bool:
@@ -174,7 +160,6 @@ __all__ = [
     "TRAINING_RECORD_NAME",
     "load_benchmark",
     "load_training_record",
-    "read_json_object",
     "validate_benchmark",
     "validate_training_record",
 ]

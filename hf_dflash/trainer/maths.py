@@ -4,7 +4,6 @@ Shapes: B = batch, S = sequence length, A = anchors per sequence, bs = block siz
 Blocks are laid out anchor-major: flat index a * bs + k is slot k of anchor a.
 """
 
-import math
 
 import torch
 import torch.nn.functional as F
