@@ -277,6 +277,93 @@ def register_push(subparsers) -> None:
     parser.set_defaults(func=_run_push)
 
 
+def _names(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from .bench import EVAL_SETS, run_bench
+    from .data.sources import MissingDataPackageError
+    from .models import MissingTargetPackageError
+
+    # --prompts alone benchmarks only that file; --sets (or neither) picks evaluation sets
+    sets = args.sets if args.sets is not None else ([] if args.prompts else list(EVAL_SETS))
+    try:
+        run_bench(
+            target=args.target,
+            drafter=args.drafter,
+            sets=sets,
+            prompts=args.prompts,
+            num_prompts=args.num_prompts,
+            max_new_tokens=args.max_new_tokens,
+            dtype=args.dtype,
+            temperature=args.temperature,
+            seed=args.seed,
+            out=args.out,
+            methods=args.methods,
+            device=args.device,
+            progress=not args.no_progress,
+        )
+    except (MissingDataPackageError, MissingTargetPackageError) as error:
+        raise ValueError(str(error)) from None
+    return 0
+
+
+def register_bench(subparsers) -> None:
+    from .bench import EVAL_SETS, METHODS
+
+    parser = subparsers.add_parser(
+        "bench",
+        help="benchmark plain decoding, DFlash (ours and Transformers' built-in) and prompt lookup side by side",
+        description="Run every method on the same prompts (a seeded sample of each evaluation set, or your JSONL), "
+        "interleaved per prompt with the method order rotated, and report per set and overall: mean acceptance "
+        "length τ, the acceptance-length histogram, tokens/s, speed-up over plain decoding and whether every "
+        "greedy output equals plain greedy (a difference is reported with the target's top-2 logit gap there). "
+        "Writes OUT/bench.json, OUT/benchmark.json (the model-card benchmark for `hf-dflash export`) and PNG plots.",
+    )
+    parser.add_argument(
+        "--target",
+        default="smollm2-135m-instruct",
+        help="a known target or a local model folder (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--drafter", required=True, help="drafter checkpoint folder (either format), or 'random' for an untrained one"
+    )
+    parser.add_argument(
+        "--sets",
+        type=_names,
+        default=None,
+        help=f"comma-separated evaluation sets from {','.join(EVAL_SETS)} (default: all, or none with --prompts)",
+    )
+    parser.add_argument(
+        "--prompts", default=None, help='your JSONL prompts: {"prompt": str} or {"messages": [...]} per line'
+    )
+    parser.add_argument(
+        "--num-prompts", type=int, default=8, help="prompts sampled per set with the seed, 0 = all (default: 8)"
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="per answer (turn) (default: %(default)s)")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float16", "float32"),
+        help="target and drafter dtype (default: %(default)s; float32 is token-exact, bfloat16 may flip near-ties)",
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples (seeded, no identity check)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="prompt sampling, sampling and random drafter seed")
+    parser.add_argument("--out", default="out/bench", help="output folder (default: %(default)s)")
+    parser.add_argument(
+        "--methods",
+        type=_names,
+        default=list(METHODS),
+        help=f"comma-separated, from {','.join(METHODS)} (default: all)",
+    )
+    parser.add_argument("--device", default=None, help="e.g. cpu, cuda:0 (default: cuda when available, else cpu)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=_run_bench)
+
+
 COMMANDS: list[Callable] = [
     register_convert,
     register_demo,
@@ -285,6 +372,7 @@ COMMANDS: list[Callable] = [
     register_train,
     register_export,
     register_push,
+    register_bench,
 ]
 
 

@@ -10,6 +10,7 @@ import time
 import torch
 from transformers import TextStreamer
 
+from .bench.divergence import divergence_note
 from .modeling_dflash import DFlashConfig, DFlashDraftModel
 from .models import DEFAULT_TARGET, load_target
 
@@ -26,17 +27,6 @@ def timed_generate(target, inputs, **kwargs) -> tuple[torch.LongTensor, float]:
     start = time.perf_counter()
     output = target.generate(**inputs, do_sample=False, **kwargs)
     return output, time.perf_counter() - start
-
-
-@torch.no_grad()
-def divergence_note(target, plain: torch.LongTensor, other: torch.LongTensor, prompt_length: int) -> str:
-    """Where two greedy outputs first differ, and the target's top-2 logit gap there (a tiny gap is a
-    near-tie that bf16 rounding of a k-token forward may flip; a large gap would be a bug)."""
-    length = min(plain.shape[1], other.shape[1])
-    differs = (plain[0, :length] != other[0, :length]).nonzero()
-    position = int(differs[0, 0]) if len(differs) else length
-    top2 = target(plain[:, :position]).logits[0, -1].float().topk(2).values
-    return f"first difference at new token {position - prompt_length}, target top-2 logit gap {float(top2[0] - top2[1]):.4f}"
 
 
 def run_demo(max_new_tokens: int = 96, dtype: torch.dtype = torch.float32, block_size: int = 16) -> list[dict]:

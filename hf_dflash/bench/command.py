@@ -1,0 +1,107 @@
+"""`hf-dflash bench` end to end: load, run, summarise, write the report and plots, print the table."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+
+from .loading import load_bench_models, machine_description
+from .methods import METHODS, PROMPT_LOOKUP_NUM_TOKENS, check_methods
+from .plots import write_plots
+from .prompts import EVAL_SETS, load_prompt_sets
+from .report import build_report, format_table, write_report
+from .runner import run_benchmark
+from .summary import summarize
+
+__all__ = ["bench_command_line", "run_bench"]
+
+
+def bench_command_line(options: dict) -> str:
+    """The `hf-dflash bench` command line that reproduces a run with these options (None = left out)."""
+    parts = ["hf-dflash", "bench"]
+    for key, value in options.items():
+        if value is not None:
+            text = ",".join(value) if isinstance(value, (list, tuple)) else str(value)
+            parts += [f"--{key.replace('_', '-')}", text]
+    return shlex.join(parts)
+
+
+def run_bench(
+    target: str,
+    drafter: str,
+    sets: Sequence[str] = tuple(EVAL_SETS),
+    prompts: str | None = None,
+    num_prompts: int = 8,
+    max_new_tokens: int = 256,
+    dtype: str = "bfloat16",
+    temperature: float = 0.0,
+    seed: int = 0,
+    out: str | Path = "out/bench",
+    methods: Sequence[str] = METHODS,
+    device: str | None = None,
+    progress: bool = True,
+) -> dict:
+    """Benchmark `methods` with `target` + `drafter` on the sets and/or prompts file; write `out/bench.json`,
+    `out/benchmark.json` (model card) and the PNG plots; print the table. Returns the report."""
+    options = {
+        "target": target,
+        "drafter": drafter,
+        "sets": list(sets),
+        "prompts": prompts,
+        "num_prompts": num_prompts,
+        "max_new_tokens": max_new_tokens,
+        "dtype": dtype,
+        "temperature": temperature,
+        "seed": seed,
+        "out": str(out),
+        "methods": list(methods),
+        "device": device,
+    }
+    check_methods(methods)
+    prompt_sets = load_prompt_sets(sets, prompts, num_prompts, seed)
+    models = load_bench_models(target, drafter, dtype=dtype, device=device, seed=seed)
+    options["device"] = str(models.target.device)
+    print(
+        f"Target: {target} ({dtype}, {models.target.device}). Drafter: {models.drafter_description}.\n"
+        f"Sets: " + ", ".join(f"{name} ({len(records)})" for name, records in prompt_sets.items())
+        + f"; methods {', '.join(methods)}, interleaved per prompt; max {max_new_tokens} new tokens, "
+        + ("greedy." if temperature <= 0 else f"sampling at temperature {temperature} (seed {seed}).")
+    )
+    samples = run_benchmark(
+        models.target,
+        models.tokenizer,
+        models.drafter,
+        prompt_sets,
+        methods,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+        progress=progress,
+    )
+    settings = {
+        "target": target,
+        "drafter": models.drafter_description,
+        "block_size": models.drafter.config.block_size,
+        "dtype": dtype,
+        "device": options["device"],
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "seed": seed,
+        "num_prompts": num_prompts,
+        "methods": list(methods),
+        "prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS,
+        "order": "all methods on each prompt before the next, method order rotated per prompt",
+        "identity_check": "token for token against plain greedy"
+        if temperature <= 0
+        else "not applicable: sampling (temperature > 0), outputs legitimately differ",
+    }
+    summary = summarize(samples, methods, models.drafter.config.block_size)
+    report = build_report(
+        summary, samples, bench_command_line(options), machine_description(models.target.device), settings
+    )
+    report["plots"] = [path.name for path in write_plots(summary, out)]
+    written = write_report(report, out)
+    print(format_table(report))
+    print("Wrote " + ", ".join(str(path) for path in written) + f" and {len(report['plots'])} plots to {out}")
+    return report

@@ -1,0 +1,92 @@
+"""The target, its tokenizer and the drafter of a benchmark run, and a description of the machine."""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ..checkpoints import load_drafter
+from ..modeling_dflash import DFlashConfig, DFlashDraftModel
+from ..models import KNOWN_TARGETS, load_target, resolve_dtype
+
+__all__ = ["RANDOM_DRAFTER", "BenchModels", "load_bench_models", "machine_description", "random_drafter"]
+
+RANDOM_DRAFTER = "random"
+
+
+@dataclass
+class BenchModels:
+    target: transformers.PreTrainedModel
+    tokenizer: transformers.PreTrainedTokenizerBase
+    drafter: DFlashDraftModel
+    drafter_description: str  # says so when the drafter is random
+
+
+def random_drafter(
+    target, tokenizer, seed: int = 0, num_hidden_layers: int = 3, block_size: int = 16
+) -> DFlashDraftModel:
+    """An untrained drafter for `target` (up to 5 target features, fewer for a shallow target)."""
+    num_features = min(5, max(1, target.config.get_text_config().num_hidden_layers - 3))
+    config = DFlashConfig.from_target_config(
+        target.config,
+        num_hidden_layers=num_hidden_layers,
+        block_size=block_size,
+        num_target_features=num_features,
+        tokenizer=tokenizer,
+    )
+    torch.manual_seed(seed)
+    return DFlashDraftModel(config)
+
+
+def load_bench_target(name: str, dtype: torch.dtype):
+    """A known target (`hf_dflash.models.KNOWN_TARGETS`) or a local Transformers folder, with its tokenizer."""
+    if name in KNOWN_TARGETS:
+        return load_target(name, dtype=dtype)
+    if Path(name).is_dir():
+        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval(), AutoTokenizer.from_pretrained(name)
+    known = ", ".join(KNOWN_TARGETS)
+    raise ValueError(f"Unknown target {name!r}: neither a known target ({known}) nor a local model folder.")
+
+
+def load_bench_models(
+    target: str, drafter: str, dtype: torch.dtype | str = torch.bfloat16, device: str | None = None, seed: int = 0
+) -> BenchModels:
+    """Load the target in `dtype` on `device` (default: CUDA when available) and the drafter cast to the same
+    dtype: a checkpoint folder in either format (`load_drafter`), or "random" for an untrained 3-layer drafter."""
+    dtype = resolve_dtype(dtype)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model, tokenizer = load_bench_target(target, dtype)
+    model.to(device)
+    if drafter == RANDOM_DRAFTER:
+        draft_model = random_drafter(model, tokenizer, seed=seed)
+        description = (
+            f"RANDOM untrained drafter ({draft_model.config.num_hidden_layers} layers, block "
+            f"{draft_model.config.block_size}, seed {seed}): τ ≈ 1, so DFlash is slower than plain decoding"
+        )
+    else:
+        draft_model = load_drafter(drafter, dtype=dtype)
+        description = drafter
+    return BenchModels(model, tokenizer, draft_model.to(device=device, dtype=dtype).eval(), description)
+
+
+def _cpu_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def machine_description(device: torch.device) -> str:
+    """E.g. "1x NVIDIA H200, torch 2.13.0, transformers 5.24.0" or "<CPU model>, 2 threads, torch ..."."""
+    if device.type == "cuda":
+        where = f"1x {torch.cuda.get_device_name(device)}"
+    else:
+        where = f"{_cpu_name()}, {torch.get_num_threads()} threads"
+    return f"{where}, torch {torch.__version__}, transformers {transformers.__version__}"

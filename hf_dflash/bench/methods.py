@@ -1,0 +1,130 @@
+"""The decoding methods a benchmark compares, and one timed `generate` call of each.
+
+    plain    target.generate(...)                                    greedy (or sampling) baseline
+    dflash   target.generate(..., assistant_model=drafter)           this package's DFlash loop
+    builtin  ... assistant_model=drafter, speculation_type="dflash"  Transformers' built-in DFlash loop
+    lookup   ... prompt_lookup_num_tokens=10                         prompt-lookup decoding
+
+Acceptance lengths (tokens committed per verification round, bonus token included): our loop reports
+them in `drafter.last_acceptance`; for the other speculative methods they are read off the target's
+forwards with a forward pre-hook (each forward is one round; where it starts tells how many tokens the
+round before it committed). DFlash's prefill drafts nothing (it only produces the prompt features), so
+for both DFlash loops the prefill is not a round; prompt lookup drafts from the prompt in its very first
+forward, so there it is one.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "METHODS",
+    "PROMPT_LOOKUP_NUM_TOKENS",
+    "ForwardRecorder",
+    "Generation",
+    "check_methods",
+    "generate_with",
+    "max_round_length",
+]
+
+METHODS = ("plain", "dflash", "builtin", "lookup")
+PROMPT_LOOKUP_NUM_TOKENS = 10
+
+
+@dataclass
+class Generation:
+    """One timed `generate` call."""
+
+    sequences: torch.LongTensor  # (1, prompt_length + new_tokens)
+    seconds: float
+    acceptance_lengths: list[int] | None  # tokens committed per round; None for plain decoding
+
+
+class ForwardRecorder:
+    """Context manager recording where each target forward starts (its first position id)."""
+
+    def __init__(self, target: torch.nn.Module):
+        self.target = target
+        self.starts: list[int] = []
+
+    def __enter__(self) -> "ForwardRecorder":
+        self.handle = self.target.register_forward_pre_hook(self._record, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+    def _record(self, module, args, kwargs) -> None:
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            raise RuntimeError(
+                f"{type(module).__name__}.forward got no position_ids inside generate(): cannot tell how many "
+                "tokens each verification round committed."
+            )
+        self.starts.append(int(position_ids[0, 0]))
+
+    def committed_per_forward(self, prompt_length: int, total_length: int) -> list[int]:
+        """Tokens committed by each recorded forward. Before forward i > 0 the sequence holds `starts[i] + 1`
+        tokens (the forward re-reads the last committed token); the prefill sees the prompt."""
+        before = [prompt_length] + [start + 1 for start in self.starts[1:]]
+        after = before[1:] + [total_length]
+        return [end - begin for begin, end in zip(before, after)]
+
+
+def check_methods(methods) -> None:
+    """ValueError unless `methods` is a non-empty selection of `METHODS`."""
+    unknown = [method for method in methods if method not in METHODS]
+    if unknown or not methods:
+        raise ValueError(f"Unknown or no methods {list(methods)}; choose from {', '.join(METHODS)}.")
+
+
+def method_kwargs(method: str, drafter: torch.nn.Module | None) -> dict:
+    """The `generate` keyword arguments that select `method`."""
+    if method in ("dflash", "builtin") and drafter is None:
+        raise ValueError(f"Method {method!r} needs a drafter.")
+    return {
+        "plain": {},
+        "dflash": {"assistant_model": drafter},
+        "builtin": {"assistant_model": drafter, "speculation_type": "dflash"},
+        "lookup": {"prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS},
+    }[method]
+
+
+def max_round_length(method: str, block_size: int) -> int:
+    """The most tokens one verification round of `method` can commit (drafts + bonus)."""
+    return {"plain": 1, "dflash": block_size, "builtin": block_size, "lookup": PROMPT_LOOKUP_NUM_TOKENS + 1}[method]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def generate_with(
+    method: str, target, drafter, inputs: dict[str, torch.Tensor], generation_kwargs: dict
+) -> Generation:
+    """Run `target.generate(**inputs, **generation_kwargs)` with `method` and time it (wall clock)."""
+    if method not in METHODS:
+        raise ValueError(f"Unknown method {method!r}; known: {', '.join(METHODS)}.")
+    prompt_length = inputs["input_ids"].shape[1]
+    # Only the methods whose rounds are read off the forwards pay for the hook (a few µs per forward).
+    recorder = ForwardRecorder(target) if method in ("builtin", "lookup") else nullcontext()
+    with recorder:
+        _synchronize(target.device)
+        start = time.perf_counter()
+        sequences = target.generate(**inputs, **generation_kwargs, **method_kwargs(method, drafter))
+        _synchronize(target.device)
+        seconds = time.perf_counter() - start
+    if method == "plain":
+        lengths = None
+    elif method == "dflash":
+        lengths = list(drafter.last_acceptance.acceptance_lengths)
+    else:
+        lengths = recorder.committed_per_forward(prompt_length, sequences.shape[1])
+        if method == "builtin":
+            lengths = lengths[1:]  # the prefill only produces the drafter's context features
+    return Generation(sequences=sequences, seconds=seconds, acceptance_lengths=lengths)

@@ -1,0 +1,75 @@
+"""Per-set and overall numbers of each method, from the benchmark's samples.
+
+Rates are totals, not means of per-prompt rates: tokens/s = all new tokens / all seconds, so long
+answers weigh as much as they cost. τ is the mean over all verification rounds of the set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .methods import max_round_length
+from .runner import Sample
+
+__all__ = ["OVERALL", "histogram", "summarize", "summarize_samples"]
+
+OVERALL = "overall"
+
+
+def histogram(lengths: list[int], size: int) -> list[int]:
+    """counts[t - 1] = rounds that committed t tokens, for t = 1..max(size, longest round)."""
+    counts = [0] * max([size, *lengths])
+    for length in lengths:
+        counts[length - 1] += 1
+    return counts
+
+
+def summarize_method(samples: list[Sample], method: str, block_size: int, plain_tok_s: float | None) -> dict:
+    mine = [sample for sample in samples if sample.method == method]
+    new_tokens = sum(sample.new_tokens for sample in mine)
+    seconds = sum(sample.seconds for sample in mine)
+    tok_s = new_tokens / seconds if seconds > 0 else 0.0
+    checked = [sample.identical for sample in mine if sample.identical is not None]
+    summary = {
+        "new_tokens": new_tokens,
+        "seconds": seconds,
+        "tok_s": tok_s,
+        "speedup": tok_s / plain_tok_s if plain_tok_s else None,
+        "tau": None,
+        "rounds": None,
+        "histogram": None,
+        "identical": all(checked) if checked else None,
+        "divergences": checked.count(False),
+    }
+    if method != "plain":
+        lengths = [length for sample in mine for length in sample.acceptance_lengths]
+        summary |= {
+            "tau": sum(lengths) / len(lengths) if lengths else None,
+            "rounds": len(lengths),
+            "histogram": histogram(lengths, max_round_length(method, block_size)),
+        }
+    return summary
+
+
+def summarize_samples(samples: list[Sample], methods: Sequence[str], block_size: int) -> dict:
+    """`{"n": prompts, "generations": answers per method, "methods": {method: {...}}}` for `samples`."""
+    plain_tok_s = None
+    if "plain" in methods:
+        plain_tok_s = summarize_method(samples, "plain", block_size, None)["tok_s"]
+    return {
+        "n": len({(sample.set, sample.prompt_id) for sample in samples}),
+        "generations": sum(sample.method == methods[0] for sample in samples),
+        "methods": {method: summarize_method(samples, method, block_size, plain_tok_s) for method in methods},
+    }
+
+
+def summarize(samples: list[Sample], methods: Sequence[str], block_size: int) -> dict:
+    """`{"sets": {set name: summary}, "overall": summary}` (see `summarize_samples`)."""
+    names = list(dict.fromkeys(sample.set for sample in samples))
+    return {
+        "sets": {
+            name: summarize_samples([sample for sample in samples if sample.set == name], methods, block_size)
+            for name in names
+        },
+        OVERALL: summarize_samples(samples, methods, block_size),
+    }

@@ -1,0 +1,154 @@
+"""`hf-dflash bench`: every method on the same prompts, the report, the model-card benchmark and the plots.
+
+Tiny random Llama target (conftest) with the character-level ChatML tokenizer of test_data, saved as a
+local folder so the command runs end to end; one `real_model` smoke run on SmolLM2 with a GSM8K prompt.
+"""
+
+import json
+
+import pytest
+import torch
+
+from hf_dflash.bench import METHODS, generate_with, load_prompt_sets, run_bench
+from hf_dflash.bench.methods import ForwardRecorder
+from hf_dflash.bench.runner import rotated
+from hf_dflash.cli import main
+from hf_dflash.hub_cards import load_benchmark
+from hf_dflash.hub_cards.schemas import BENCHMARK_SET_FIELDS, validate_benchmark
+from tests.conftest import OracleDrafter, make_drafter, make_target
+from tests.test_data import make_char_tokenizer, write_lines
+
+PROMPTS = [
+    {"prompt": "Write a function that reverses a string."},
+    {"prompt": "def add(a, b): return a + b  # add two numbers, add two numbers"},
+    {"messages": [{"role": "user", "content": "Name a prime."}, {"role": "assistant", "content": "7"},
+                  {"role": "user", "content": "And another one?"}]},  # two turns, as MT-Bench
+]
+METHOD_FIELDS = {"new_tokens", "seconds", "tok_s", "speedup", "tau", "rounds", "histogram", "identical", "divergences"}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """(target folder, drafter folder, prompts file): tiny fp32 target + tokenizer, block-4 random drafter."""
+    root = tmp_path_factory.mktemp("bench")
+    target = make_target("llama")
+    target.save_pretrained(root / "target")
+    make_char_tokenizer().save_pretrained(root / "target")
+    make_drafter(target, block_size=4).save_pretrained(root / "drafter")
+    return root / "target", root / "drafter", write_lines(root / "mine.jsonl", PROMPTS)
+
+
+def bench(folders, out, *extra) -> dict:
+    target, drafter, prompts = folders
+    argv = ["bench", "--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts), "--dtype",
+            "float32", "--max-new-tokens", "20", "--num-prompts", "0", "--out", str(out), "--no-progress", *extra]
+    assert main(argv) == 0
+    return json.loads((out / "bench.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def greedy(folders, tmp_path_factory):
+    out = tmp_path_factory.mktemp("greedy")
+    return bench(folders, out), out
+
+
+def test_report_has_every_field_and_all_methods_equal_plain_greedy_in_fp32(greedy, capsys):
+    report, out = greedy
+    assert set(report) >= {"command", "machine", "settings", "methods", "sets", "overall", "divergences", "samples",
+                           "plots", "card"}
+    assert report["methods"] == list(METHODS)
+    assert report["command"].startswith("hf-dflash bench --target ")
+    for row in [*report["sets"].values(), report["overall"]]:
+        assert row["n"] == 3 and row["generations"] == 4  # the 2-turn prompt answers twice
+        assert set(row["methods"]) == set(METHODS)
+        for method, stats in row["methods"].items():
+            assert set(stats) == METHOD_FIELDS
+            assert stats["new_tokens"] > 0 and stats["tok_s"] > 0
+            assert stats["speedup"] == pytest.approx(stats["tok_s"] / row["methods"]["plain"]["tok_s"])
+            if method == "plain":
+                assert stats["identical"] is None and stats["tau"] is None
+            else:
+                assert stats["identical"] is True and stats["divergences"] == 0
+                assert sum(stats["histogram"]) == stats["rounds"] > 0
+                assert stats["tau"] == pytest.approx(
+                    sum(t * count for t, count in enumerate(stats["histogram"], 1)) / stats["rounds"]
+                )
+    assert report["divergences"] == []
+    samples = report["samples"]
+    assert len(samples) == 4 * len(METHODS) and {sample["turn"] for sample in samples} == {0, 1}
+    assert all(sample["identical"] for sample in samples if sample["method"] != "plain")
+
+
+def test_card_validates_and_is_written_for_export(greedy):
+    report, out = greedy
+    card = validate_benchmark(report["card"])
+    assert set(card) == {"command", "machine", "settings", "sets"}
+    (row,) = card["sets"].values()
+    assert set(row) == set(BENCHMARK_SET_FIELDS) and row["identical"] is True
+    dflash = report["sets"]["mine"]["methods"]["dflash"]
+    assert row["tau"] == dflash["tau"] and row["speedup"] == dflash["speedup"]
+    assert load_benchmark(out / "benchmark.json") == card
+
+
+def test_plots_exist(greedy):
+    report, out = greedy
+    assert set(report["plots"]) == {"acceptance_mine.png", "acceptance_overall.png", "speedup.png"}
+    for name in report["plots"]:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sampling_mode_reports_tau_and_speedup_without_identity(folders, tmp_path):
+    methods = ["--methods", "plain,dflash,builtin"]
+    report = bench(folders, tmp_path, "--temperature", "0.8", *methods, "--drafter", "random")
+    assert "RANDOM" in report["settings"]["drafter"] and report["settings"]["temperature"] == 0.8
+    for method, stats in report["overall"]["methods"].items():
+        assert stats["identical"] is None and stats["speedup"] > 0
+        assert (stats["tau"] is None) == (method == "plain")
+    card = validate_benchmark(report["card"])
+    assert "not applicable" in card["settings"]["identity_check"]
+
+
+def test_builtin_and_lookup_rounds_read_off_the_forwards():
+    """With an always-right drafter both DFlash loops commit the same rounds; every method accounts for
+    every new token (DFlash loops: all but the prefill's)."""
+    target = make_target("llama")
+    inputs = {"input_ids": torch.tensor([[1, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]])}
+    kwargs = {"do_sample": False, "max_new_tokens": 30, "eos_token_id": None}
+    plain = target.generate(**inputs, **kwargs)
+    drafter = OracleDrafter(make_drafter(target, block_size=4).config, target.lm_head.weight, plain).eval()
+    runs = {method: generate_with(method, target, drafter, inputs, kwargs) for method in METHODS}
+    assert all(torch.equal(run.sequences, plain) for run in runs.values())
+    assert runs["builtin"].acceptance_lengths == runs["dflash"].acceptance_lengths
+    assert max(runs["dflash"].acceptance_lengths) == 4
+    assert sum(runs["builtin"].acceptance_lengths) == 30 - 1 and sum(runs["lookup"].acceptance_lengths) == 30
+    assert runs["plain"].acceptance_lengths is None
+
+
+def test_recorder_without_position_ids_fails_loudly():
+    target = make_target("llama")
+    with pytest.raises(RuntimeError, match="position_ids"), ForwardRecorder(target):
+        target(torch.tensor([[1, 2, 3]]))
+
+
+def test_method_order_rotates_per_prompt():
+    assert [rotated(METHODS, index)[0] for index in range(5)] == [*METHODS, METHODS[0]]
+
+
+def test_bad_inputs_are_named(folders, tmp_path, capsys):
+    target, drafter, prompts = folders
+    with pytest.raises(ValueError, match="Unknown benchmark set"):
+        load_prompt_sets(["gsm9k"])
+    with pytest.raises(ValueError, match="Unknown or no methods"):
+        run_bench(str(target), str(drafter), sets=[], prompts=str(prompts), methods=["plain", "medusa"], out=tmp_path)
+    assert main(["bench", "--target", "nope", "--drafter", "random", "--prompts", str(prompts)]) == 1
+    assert "Unknown target 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.real_model
+def test_smollm2_smoke_on_one_gsm8k_prompt(real_target, tmp_path):
+    report = run_bench("smollm2-135m-instruct", "random", sets=["gsm8k"], num_prompts=1, max_new_tokens=16,
+                       dtype="float32", out=tmp_path, progress=False)
+    assert report["overall"]["n"] == 1
+    assert all(stats["identical"] in (None, True) for stats in report["overall"]["methods"].values())
+    assert report["sets"]["gsm8k"]["methods"]["dflash"]["tau"] == pytest.approx(1.0, abs=0.5)
+    validate_benchmark(report["card"])
