@@ -1,6 +1,6 @@
 """Pure functions of one verification step: logits processing, greedy acceptance, speculative sampling.
 
-Shapes: B = batch (1 for now), k = drafted tokens this round, V = vocabulary.
+Shapes: B = batch (1 here; the batched loop applies these row by row), k = drafted tokens this round, V = vocabulary.
 """
 
 import torch
@@ -116,3 +116,14 @@ def speculative_sample(
     residual = residual / total if total > 0 else target_probs[0, n]
     correction = torch.multinomial(residual, 1, generator=generator)
     return torch.cat([draft_tokens[0, :n], correction])[None]
+
+
+def count_until_stop(stopping_criteria, sequence: torch.LongTensor, start: int, scores) -> tuple[int, bool]:
+    """Number of tokens of sequence[:, start:] to keep: stop at the first prefix that meets a criterion.
+
+    sequence (1, L). Returns (kept, stopped).
+    """
+    for end in range(start + 1, sequence.shape[1] + 1):
+        if bool(stopping_criteria(sequence[:, :end], scores).any()):
+            return end - start, True
+    return sequence.shape[1] - start, False
