@@ -27,13 +27,20 @@ as plain `generate` does.
 """
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 
 from ..modeling_dflash import DFlashDraftModel
 from .candidate_generator import AcceptanceStats, target_layer_features
 from .pairing import check_pairing
-from .verification import count_until_stop, greedy_tokens, process_block_logits, process_draft_logits, speculative_sample
+from .verification import (
+    count_until_stop,
+    greedy_tokens,
+    is_position_independent,
+    process_block_logits,
+    process_draft_logits,
+    speculative_sample,
+)
 
 # Compact a cache when more than this fraction of its slots lies beyond the tightest layout.
 MAX_WASTE_FRACTION = 0.25
@@ -112,12 +119,13 @@ class BatchedDrafter:
         self.cache.crop(-self.block_size)  # keep the context only; the next block replaces this one
         return self.lm_head(hidden[:, 1 : 1 + num_drafts])
 
-    def select(self, index: torch.LongTensor) -> None:
-        """Keep the rows `index` (B',) and compact the cache when its holes exceed the bound."""
+    def prune(self, index: torch.LongTensor | None) -> None:
+        """Keep the rows `index` (B',) (None: all) and compact the cache when its holes exceed the bound."""
         if self.mask is None:
             return
-        self.cache.batch_select_indices(index)
-        self.mask = self.mask[index]
+        if index is not None:
+            self.cache.batch_select_indices(index)
+            self.mask = self.mask[index]
         if needs_compaction(self.mask):
             self.mask = compact_cache(self.cache, self.mask)
 
@@ -144,17 +152,42 @@ def check_batched_support(cache, drafter: DFlashDraftModel, generation_config: G
         raise ValueError("Batched DFlash does not support drafters with sliding-window layers; pass one prompt at a time.")
 
 
-def process_rows(logits_processor, prefixes: list[torch.LongTensor], drafts: torch.LongTensor, logits: torch.Tensor):
-    """Target logits processing per row: position t of row b is processed with prefix
-    prefixes[b] + drafts[b, :t]. prefixes: B tensors (L_b,); drafts (B, k); logits (B, k+1, V)."""
+def as_batch_member(batch_size: int, row: int, sequence: torch.LongTensor) -> torch.LongTensor:
+    """(batch_size, L) copies of one row's sequence (L,). Rows have different lengths, so processors
+    and stopping criteria see one row at a time; as member `row` of a full-size batch, so that those
+    holding per-row state of the original batch (the repetition penalty's prompt padding, a
+    `prefix_allowed_tokens_fn`'s batch id) read that row's state."""
+    return sequence[None].expand(batch_size, -1)
+
+
+def process_rows(logits_processor, batch_size: int, rows: list[int], prefixes: list[torch.LongTensor], drafts, logits):
+    """Processed float target logits (B, k+1, V) of every active row, as plain decoding processes them.
+
+    rows: each entry's row in the original batch of `batch_size`; prefixes: B committed sequences
+    (L_b,); drafts (B, k); logits (B, k+1, V). Position t of entry b is processed with prefix
+    prefixes[b] + drafts[b, :t].
+    """
     if not logits_processor:
         return logits.float()
-    return torch.cat(
-        [
-            process_block_logits(logits_processor, torch.cat([prefix, row])[None], logits[b : b + 1], start=len(prefix))
-            for b, (prefix, row) in enumerate(zip(prefixes, drafts))
-        ]
-    )
+    if is_position_independent(logits_processor):  # no input_ids, no per-row state: one call
+        return process_draft_logits(logits_processor, drafts[:, :0], logits)
+    processed = []
+    for b, (row, prefix) in enumerate(zip(rows, prefixes)):
+        sequence = as_batch_member(batch_size, row, torch.cat([prefix, drafts[b]]))
+        row_logits = logits[b : b + 1].repeat(batch_size, 1, 1)
+        processed.append(process_block_logits(logits_processor, sequence, row_logits, start=len(prefix))[row])
+    return torch.stack(processed)
+
+
+def process_drafts(logits_processor, logits: torch.Tensor) -> torch.Tensor:
+    """Draft logits (B, k, V) -> float, processed by the position-independent processors only.
+
+    Drafts need *a* well-defined distribution (verification corrects it); processors that read
+    input_ids (repetition penalty, n-gram blocking, min length) are left to the verification, which
+    saves a per-row, per-position loop.
+    """
+    positional = LogitsProcessorList(p for p in logits_processor or () if is_position_independent([p]))
+    return process_draft_logits(positional, logits.new_zeros(logits.shape[0], 0, dtype=torch.long), logits)
 
 
 @torch.no_grad()
@@ -218,7 +251,8 @@ def batched_dflash_decoding(
             end = start + len(tokens)
             sequences[row, start:end] = tokens
             if row not in stop_lengths:
-                kept, stopped = count_until_stop(stopping_criteria, sequences[row : row + 1, :end], start, None)
+                member = as_batch_member(batch, row, sequences[row, :end])
+                kept, stopped = count_until_stop(stopping_criteria, member, start, None, row=row)
                 if stopped:
                     stop_lengths[row] = start + kept
                     if pad_finished:
@@ -247,12 +281,13 @@ def batched_dflash_decoding(
             else:
                 context = torch.cat([context, features], 1)
                 context_mask = torch.cat([context_mask, slot_valid[:, :used]], 1)
+        index = None
         if len(keep) < len(rows):
             index = torch.tensor(keep, device=input_ids.device)
             cache.batch_select_indices(index)
             target_mask, context, context_mask = target_mask[index], context[index], context_mask[index]
-            drafter.select(index)
             rows = [rows[i] for i in keep]
+        drafter.prune(index)
         if needs_compaction(target_mask):
             target_mask = compact_cache(cache, target_mask)
 
@@ -264,9 +299,7 @@ def batched_dflash_decoding(
         if num_drafts:
             draft_logits = drafter.draft(bonus, context, context_mask, num_drafts)
             context = None
-            draft_logits = torch.cat(
-                [process_draft_logits(logits_processor, p[None], draft_logits[b : b + 1]) for b, p in enumerate(prefixes)]
-            )
+            draft_logits = process_drafts(logits_processor, draft_logits)
             if do_sample:
                 draft_probs = draft_logits.softmax(-1)
                 drafts = torch.multinomial(draft_probs.flatten(0, 1), 1).view(len(rows), num_drafts)
@@ -285,7 +318,7 @@ def batched_dflash_decoding(
             **{cache_key: cache},
         )
         outputs = model(**(model_inputs | hidden_request))
-        processed = process_rows(logits_processor, prefixes, drafts, outputs.logits[:, -num_drafts - 1 :])
+        processed = process_rows(logits_processor, batch, rows, prefixes, drafts, outputs.logits[:, -num_drafts - 1 :])
         if do_sample:
             new_tokens, num_accepted = sample_rows(drafts, draft_probs, processed.softmax(-1))
         else:

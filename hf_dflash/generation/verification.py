@@ -118,12 +118,13 @@ def speculative_sample(
     return torch.cat([draft_tokens[0, :n], correction])[None]
 
 
-def count_until_stop(stopping_criteria, sequence: torch.LongTensor, start: int, scores) -> tuple[int, bool]:
-    """Number of tokens of sequence[:, start:] to keep: stop at the first prefix that meets a criterion.
+def count_until_stop(stopping_criteria, sequence: torch.LongTensor, start: int, scores, row: int = 0) -> tuple[int, bool]:
+    """Number of tokens of sequence[row, start:] to keep: stop at the first prefix that meets a criterion.
 
-    sequence (1, L). Returns (kept, stopped).
+    sequence (B, L); only `row`'s verdict counts (the batched loop passes copies of one row so that
+    criteria holding per-row state see it at its own index). Returns (kept, stopped).
     """
     for end in range(start + 1, sequence.shape[1] + 1):
-        if bool(stopping_criteria(sequence[:, :end], scores).any()):
+        if bool(stopping_criteria(sequence[:, :end], scores)[row]):
             return end - start, True
     return sequence.shape[1] - start, False
