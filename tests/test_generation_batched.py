@@ -128,7 +128,8 @@ def test_cache_waste_stays_bounded():
 
     def check_waste(pasts):
         def hook(module, args, kwargs):
-            mask, past = kwargs["attention_mask"], kwargs["cache"].get_seq_length()
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))  # Transformers 5.23 names it past_key_values
+            mask, past = kwargs["attention_mask"], cache.get_seq_length()
             if past:
                 pasts.append(past)
                 assert cache_waste(mask[:, :past]) <= MAX_WASTE_FRACTION * past
