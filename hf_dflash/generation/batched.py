@@ -152,11 +152,14 @@ def check_batched_support(cache, drafter: DFlashDraftModel, generation_config: G
         raise ValueError("Batched DFlash does not support drafters with sliding-window layers; pass one prompt at a time.")
 
 
-def as_batch_member(batch_size: int, row: int, sequence: torch.LongTensor) -> torch.LongTensor:
-    """(batch_size, L) copies of one row's sequence (L,). Rows have different lengths, so processors
-    and stopping criteria see one row at a time; as member `row` of a full-size batch, so that those
-    holding per-row state of the original batch (the repetition penalty's prompt padding, a
-    `prefix_allowed_tokens_fn`'s batch id) read that row's state."""
+def row_copies(sequence: torch.LongTensor, batch_size: int) -> torch.LongTensor:
+    """(batch_size, L) view repeating one row's sequence (L,).
+
+    Rows differ in length, so logits processors and stopping criteria see one row at a time; they
+    see it in a batch of the original size and we read back its own index, so those holding per-row
+    state of the original batch (the repetition penalty's prompt padding, a `prefix_allowed_tokens_fn`'s
+    batch id) use that row's state.
+    """
     return sequence[None].expand(batch_size, -1)
 
 
@@ -173,7 +176,7 @@ def process_rows(logits_processor, batch_size: int, rows: list[int], prefixes: l
         return process_draft_logits(logits_processor, drafts[:, :0], logits)
     processed = []
     for b, (row, prefix) in enumerate(zip(rows, prefixes)):
-        sequence = as_batch_member(batch_size, row, torch.cat([prefix, drafts[b]]))
+        sequence = row_copies(torch.cat([prefix, drafts[b]]), batch_size)
         row_logits = logits[b : b + 1].repeat(batch_size, 1, 1)
         processed.append(process_block_logits(logits_processor, sequence, row_logits, start=len(prefix))[row])
     return torch.stack(processed)
@@ -251,8 +254,8 @@ def batched_dflash_decoding(
             end = start + len(tokens)
             sequences[row, start:end] = tokens
             if row not in stop_lengths:
-                member = as_batch_member(batch, row, sequences[row, :end])
-                kept, stopped = count_until_stop(stopping_criteria, member, start, None, row=row)
+                copies = row_copies(sequences[row, :end], batch)
+                kept, stopped = count_until_stop(stopping_criteria, copies, start, None, row=row)
                 if stopped:
                     stop_lengths[row] = start + kept
                     if pad_finished:
