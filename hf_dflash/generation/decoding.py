@@ -10,6 +10,8 @@ cache, streamer) and the `CandidateGenerator` contract, and replaces the built-i
   - `return_dict_in_generate` with `output_hidden_states`/`output_scores`/`output_logits` works;
   - acceptance statistics are returned (`DFlashGenerateOutput.acceptance_lengths`) and kept on the
     drafter (`drafter.last_acceptance`).
+A batch of several (left-padded) prompts runs `batched.batched_dflash_decoding`: one drafter pass
+and one target pass per round for all rows.
 """
 
 import copy
