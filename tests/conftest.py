@@ -55,23 +55,35 @@ def make_drafter(target, block_size: int = 4, seed: int = 1, num_hidden_layers: 
 class OracleDrafter(DFlashDraftModel):
     """A drafter that always proposes the target's greedy continuation (known in advance).
 
-    It reads the block's absolute positions and returns, for slot k, a hidden state whose LM-head
-    logits peak at the token plain greedy produces at position p+k.
+    greedy_sequence (N, L): row n is a greedy sequence indexed by true position (no padding). The
+    drafter reads each block's positions and returns, for slot k, a hidden state whose LM-head
+    logits peak at the token of that sequence at position p+k. With N > 1 (batched generation,
+    where rows also leave the batch) it finds each block's row by its bonus token: the first row
+    whose sequence holds that token at the block's first position (pass the target's
+    `embedding_weight`). A wrong guess only costs acceptance, never correctness.
     """
 
-    def __init__(self, config, lm_head_weight: torch.Tensor, greedy_sequence: torch.LongTensor):
+    def __init__(self, config, lm_head_weight: torch.Tensor, greedy_sequence: torch.LongTensor, embedding_weight=None):
         super().__init__(config)
-        self.lm_head_weight = lm_head_weight.detach()
-        self.greedy_sequence = greedy_sequence[0]
+        # pinv maps one-hot logits back to a hidden state: argmax(W h) = token for these weights.
+        self.inverse_lm_head = torch.linalg.pinv(lm_head_weight.detach())  # (H, V)
+        self.greedy_sequences = greedy_sequence
+        self.embedding_weight = None if embedding_weight is None else embedding_weight.detach()
+        if len(greedy_sequence) > 1 and embedding_weight is None:
+            raise ValueError("several greedy sequences need embedding_weight to tell the rows apart")
 
     def forward(self, noise_embeds, context_hidden_states, position_ids=None, attention_mask=None, cache=None, **kw):
         output = super().forward(noise_embeds, context_hidden_states, position_ids, attention_mask, cache, **kw)
-        block_positions = position_ids[0, -noise_embeds.shape[1] :]
-        safe = block_positions.clamp(max=len(self.greedy_sequence) - 1)
-        tokens = self.greedy_sequence[safe]
-        # pinv maps one-hot logits back to a hidden state: argmax(W h) = token for these weights.
-        hidden = torch.linalg.pinv(self.lm_head_weight) @ (torch.nn.functional.one_hot(tokens, VOCAB).T.float() * 50)
-        return BaseModelOutputWithPast(last_hidden_state=hidden.T.unsqueeze(0).to(output.last_hidden_state.dtype))
+        block_positions = position_ids[:, -noise_embeds.shape[1] :].clamp(max=self.greedy_sequences.shape[1] - 1)
+        if len(self.greedy_sequences) == 1:
+            rows = torch.zeros(len(noise_embeds), dtype=torch.long)
+        else:
+            bonus = torch.cdist(noise_embeds[:, 0].float(), self.embedding_weight.float()).argmin(-1)  # (B,)
+            matches = self.greedy_sequences[:, block_positions[:, 0]] == bonus  # (N, B)
+            rows = matches.int().argmax(0)
+        tokens = self.greedy_sequences[rows[:, None], block_positions]  # (B, q)
+        hidden = (torch.nn.functional.one_hot(tokens, VOCAB).float() * 50) @ self.inverse_lm_head.T
+        return BaseModelOutputWithPast(last_hidden_state=hidden.to(output.last_hidden_state.dtype))
 
 
 @pytest.fixture

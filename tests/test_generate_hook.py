@@ -88,12 +88,6 @@ def test_dtype_mismatch_is_refused():
         target.generate(PROMPT, max_new_tokens=5, assistant_model=drafter)
 
 
-def test_batch_larger_than_one_is_refused_clearly():
-    target = make_target("llama")
-    with pytest.raises(ValueError, match="batch size 1 for now, got 2 rows"):
-        target.generate(PROMPT.repeat(2, 1), max_new_tokens=5, assistant_model=make_drafter(target))
-
-
 def test_output_attentions_is_refused_clearly():
     target = make_target("llama")
     with pytest.raises(ValueError, match="output_attentions"):

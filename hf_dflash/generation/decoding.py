@@ -10,6 +10,8 @@ cache, streamer) and the `CandidateGenerator` contract, and replaces the built-i
   - `return_dict_in_generate` with `output_hidden_states`/`output_scores`/`output_logits` works;
   - acceptance statistics are returned (`DFlashGenerateOutput.acceptance_lengths`) and kept on the
     drafter (`drafter.last_acceptance`).
+A batch of several (left-padded) prompts runs `batched.batched_dflash_decoding`: one drafter pass
+and one target pass per round for all rows.
 """
 
 import copy
@@ -24,7 +26,14 @@ from transformers.generation.candidate_generator import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .candidate_generator import DFlashCandidateGenerator
-from .verification import greedy_accept, greedy_tokens, process_block_logits, speculative_sample
+from .batched import batched_dflash_decoding
+from .verification import (
+    count_until_stop,
+    greedy_accept,
+    greedy_tokens,
+    process_block_logits,
+    speculative_sample,
+)
 
 
 # Transformers 5.24 renamed the output's `past_key_values` field to `cache`.
@@ -36,17 +45,6 @@ class DFlashGenerateOutput(GenerateDecoderOnlyOutput):
     """`GenerateDecoderOnlyOutput` plus `acceptance_lengths` (τ of each verification round)."""
 
     acceptance_lengths: list[int] | None = None
-
-
-def count_until_stop(stopping_criteria, sequence: torch.LongTensor, start: int, scores) -> tuple[int, bool]:
-    """Number of tokens of sequence[:, start:] to keep: stop at the first prefix that meets a criterion.
-
-    sequence (1, L). Returns (kept, stopped).
-    """
-    for end in range(start + 1, sequence.shape[1] + 1):
-        if bool(stopping_criteria(sequence[:, :end], scores).any()):
-            return end - start, True
-    return sequence.shape[1] - start, False
 
 
 def dflash_decoding(
@@ -63,16 +61,22 @@ def dflash_decoding(
     tokenizer=None,
     **model_kwargs,
 ):
-    """Same signature and return types as `GenerationMixin._assisted_decoding` (batch size 1)."""
-    if input_ids.shape[0] != 1:
-        raise ValueError(
-            f"DFlash generation supports batch size 1 for now, got {input_ids.shape[0]} rows; "
-            "loop over prompts (batched DFlash is planned)."
-        )
+    """Same signature and return types as `GenerationMixin._assisted_decoding`.
+
+    Batch size > 1 (left-padded prompts with their attention mask) runs `batched_dflash_decoding`.
+    """
     if generation_config.output_attentions:
         raise ValueError("output_attentions=True is not supported with a DFlash assistant; drop it.")
     if model.config.is_encoder_decoder:
         raise ValueError("DFlash drafters serve decoder-only targets; this target is encoder-decoder.")
+    if input_ids.shape[0] > 1:
+        sequences, stats = batched_dflash_decoding(
+            model, input_ids, logits_processor, stopping_criteria, generation_config, assistant_model, streamer,
+            **model_kwargs,
+        )
+        if not generation_config.return_dict_in_generate:
+            return sequences
+        return DFlashGenerateOutput(sequences=sequences, acceptance_lengths=list(stats.acceptance_lengths))
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is None:
         raise ValueError("DFlash generation needs a target cache; do not pass use_cache=False.")

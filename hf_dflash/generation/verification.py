@@ -1,6 +1,6 @@
 """Pure functions of one verification step: logits processing, greedy acceptance, speculative sampling.
 
-Shapes: B = batch (1 for now), k = drafted tokens this round, V = vocabulary.
+Shapes: B = batch (1 here; the batched loop applies these row by row), k = drafted tokens this round, V = vocabulary.
 """
 
 import torch
@@ -116,3 +116,15 @@ def speculative_sample(
     residual = residual / total if total > 0 else target_probs[0, n]
     correction = torch.multinomial(residual, 1, generator=generator)
     return torch.cat([draft_tokens[0, :n], correction])[None]
+
+
+def count_until_stop(stopping_criteria, sequence: torch.LongTensor, start: int, scores, row: int = 0) -> tuple[int, bool]:
+    """Number of tokens of sequence[row, start:] to keep: stop at the first prefix that meets a criterion.
+
+    sequence (B, L); only `row`'s verdict counts (the batched loop passes copies of one row so that
+    criteria holding per-row state see it at its own index). Returns (kept, stopped).
+    """
+    for end in range(start + 1, sequence.shape[1] + 1):
+        if bool(stopping_criteria(sequence[:, :end], scores)[row]):
+            return end - start, True
+    return sequence.shape[1] - start, False
