@@ -262,18 +262,13 @@ def test_batched_sampling_preserves_target_distribution():
     """do_sample with a batch: rejection sampling row by row keeps each row's target distribution.
     Six copies of a prompt next to two shorter (padded) prompts; the 2nd new token of the copies
     follows its exact marginal (chi-square, as in test_generation_sampling)."""
-    from scipy.stats import chisquare
-
-    from tests.test_generation_sampling import ALPHA, exact_next_token_probs
+    from tests.test_generation_sampling import ALPHA, chi_square_against, second_token_marginal
 
     warpers = dict(temperature=0.8, top_k=40, top_p=0.95)
     target = make_target("qwen3", seed=3)
     drafter = make_drafter(target, block_size=4, seed=4)
     prefix = torch.tensor([[5, 17, 33, 9, 71]])
-    p_first = exact_next_token_probs(target, prefix, **warpers)
-    firsts = p_first.nonzero()[:, 0]
-    extended = torch.cat([prefix.expand(len(firsts), -1), firsts[:, None]], -1)
-    p_second = p_first[firsts] @ torch.stack([exact_next_token_probs(target, row[None], **warpers) for row in extended])
+    p_second = second_token_marginal(target, prefix, **warpers)
 
     copies = 6
     input_ids = torch.cat([prefix.repeat(copies, 1), torch.tensor([[PAD, PAD, 40, 41, 42], [PAD, 60, 61, 62, 63]])])
@@ -286,17 +281,7 @@ def test_batched_sampling_preserves_target_distribution():
                               assistant_model=drafter, eos_token_id=None, pad_token_id=PAD, **warpers)
         counts += torch.bincount(out[:copies, prefix.shape[1] + 1], minlength=len(counts)).float()
         rounds += drafter.last_acceptance.acceptance_lengths
-    support = p_second > 0
-    assert counts[~support].sum() == 0  # never a token the warpers removed
-    expected = p_second[support] * counts.sum()
-    order = expected.argsort()
-    observed, expected = counts[support][order], expected[order]
-    small = expected.cumsum(0) < 5  # merge low-probability bins: every expected count >= 5
-    observed = torch.cat([observed[small].sum(0, keepdim=True), observed[~small]])
-    expected = torch.cat([expected[small].sum(0, keepdim=True), expected[~small]])
-    result = chisquare(observed.numpy(), (expected * observed.sum() / expected.sum()).numpy())
-    print(f"batched generate(do_sample): chi2={result.statistic:.2f} over {len(observed)} bins, p={result.pvalue:.3f}")
-    assert result.pvalue > ALPHA
+    assert chi_square_against(counts, p_second, "batched generate(do_sample)").pvalue > ALPHA
     assert max(rounds) >= 2  # drafts really were accepted
 
 

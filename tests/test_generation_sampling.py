@@ -52,6 +52,31 @@ def exact_next_token_probs(target, input_ids, **warpers) -> torch.Tensor:
 
 
 @torch.no_grad()
+def second_token_marginal(target, prefix: torch.LongTensor, **warpers) -> torch.Tensor:
+    """Exact distribution of the 2nd new token: sum_t1 p(t1 | prefix) p(t2 | prefix, t1)."""
+    p_first = exact_next_token_probs(target, prefix, **warpers)
+    firsts = p_first.nonzero()[:, 0]
+    extended = torch.cat([prefix.expand(len(firsts), -1), firsts[:, None]], -1)
+    return p_first[firsts] @ torch.stack([exact_next_token_probs(target, row[None], **warpers) for row in extended])
+
+
+def chi_square_against(counts: torch.Tensor, probs: torch.Tensor, label: str):
+    """Chi-square of observed token counts against exact probabilities; low-probability bins are merged
+    so every expected count is >= 5. Asserts no token outside the support was drawn."""
+    support = probs > 0
+    assert counts[~support].sum() == 0  # never a token the warpers removed
+    expected = probs[support] * counts.sum()
+    order = expected.argsort()
+    observed, expected = counts[support][order], expected[order]
+    small = expected.cumsum(0) < 5
+    observed = torch.cat([observed[small].sum(0, keepdim=True), observed[~small]])
+    expected = torch.cat([expected[small].sum(0, keepdim=True), expected[~small]])
+    result = chisquare(observed.numpy(), (expected * observed.sum() / expected.sum()).numpy())
+    print(f"{label}: chi2={result.statistic:.2f} over {len(observed)} bins, p={result.pvalue:.3f}")
+    return result
+
+
+@torch.no_grad()
 def test_generate_with_sampling_preserves_target_distribution():
     """End to end through `generate`: the 2nd new token (drafted, then verified by rejection sampling)
     follows its exact marginal sum_t1 p(t1) p(t2 | t1) under the target with the same warpers."""
@@ -59,29 +84,13 @@ def test_generate_with_sampling_preserves_target_distribution():
     target = make_target("qwen3", seed=3)
     drafter = make_drafter(target, block_size=4, seed=4)
     prefix = torch.tensor([[5, 17, 33, 9, 71]])
-    p_first = exact_next_token_probs(target, prefix, **warpers)
-    firsts = p_first.nonzero()[:, 0]
-    extended = torch.cat([prefix.expand(len(firsts), -1), firsts[:, None]], -1)
-    p_second = p_first[firsts] @ torch.stack([exact_next_token_probs(target, row[None], **warpers) for row in extended])
-
+    p_second = second_token_marginal(target, prefix, **warpers)
     torch.manual_seed(0)
-    draws = 1200
     counts = torch.zeros_like(p_second)
     rounds = []
-    for _ in range(draws):
+    for _ in range(1200):
         out = target.generate(prefix, do_sample=True, max_new_tokens=3, assistant_model=drafter, eos_token_id=None, **warpers)
         counts[out[0, prefix.shape[1] + 1]] += 1
         rounds += drafter.last_acceptance.acceptance_lengths
-    support = p_second > 0
-    assert counts[~support].sum() == 0  # never a token the warpers removed
-    # merge low-probability bins so every expected count is >= 5 (chi-square validity)
-    expected = p_second[support] * draws
-    order = expected.argsort()
-    observed, expected = counts[support][order], expected[order]
-    small = expected.cumsum(0) < 5
-    observed = torch.cat([observed[small].sum(0, keepdim=True), observed[~small]])
-    expected = torch.cat([expected[small].sum(0, keepdim=True), expected[~small]])
-    result = chisquare(observed.numpy(), (expected * observed.sum() / expected.sum()).numpy())
-    print(f"generate(do_sample): chi2={result.statistic:.2f} over {len(observed)} bins, p={result.pvalue:.3f}")
-    assert result.pvalue > ALPHA
+    assert chi_square_against(counts, p_second, "generate(do_sample)").pvalue > ALPHA
     assert max(rounds) >= 2  # drafts really were accepted: acceptance is exercised, not only rejection
