@@ -364,6 +364,30 @@ def register_bench(subparsers) -> None:
     parser.set_defaults(func=_run_bench)
 
 
+def _run_generate(args: argparse.Namespace) -> int:
+    from .generation.batch_cli import run_generate
+
+    run_generate(args)
+    return 0
+
+
+def register_generate(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="answer a JSONL of prompts in batches with DFlash (batched speculative decoding)",
+        description="Greedy answers for every line of a JSONL prompt file ({\"prompt\": ...} or {\"messages\": [...]}), "
+        "left-padded in batches; prints throughput (new tokens summed over rows per second) and τ.",
+    )
+    parser.add_argument("--prompts", required=True, help="JSONL prompt file")
+    parser.add_argument("--out", required=True, help="output JSONL (id, messages, response, new_tokens)")
+    parser.add_argument("--target", default="smollm2-135m-instruct", help="known target name or local folder")
+    parser.add_argument("--drafter", default="random", help="drafter folder (either format), 'random' or 'none'")
+    parser.add_argument("--batch-size", type=int, default=8, help="rows per batch (default: 8)")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer (default: 256)")
+    parser.add_argument("--dtype", default="bfloat16", help="target and drafter dtype (default: bfloat16)")
+    parser.set_defaults(func=_run_generate)
+
+
 COMMANDS: list[Callable] = [
     register_convert,
     register_demo,
@@ -373,6 +397,7 @@ COMMANDS: list[Callable] = [
     register_export,
     register_push,
     register_bench,
+    register_generate,
 ]
 
 

@@ -1,0 +1,28 @@
+"""`hf-dflash generate`: batched DFlash over a prompt file gives the plain-decoding answers."""
+
+import json
+
+from hf_dflash.cli import main
+from tests.conftest import make_drafter, make_target
+from tests.test_data import make_char_tokenizer, write_lines
+
+PROMPTS = [{"prompt": "Hello there"}, {"prompt": "Write a loop."}, {"prompt": "Why is the sky blue? Explain."},
+           {"messages": [{"role": "user", "content": "Count to three."}]}, {"prompt": "ok"}]
+
+
+def test_batched_generate_command_matches_plain(tmp_path, capsys):
+    target = make_target("qwen3")
+    target.save_pretrained(tmp_path / "target")
+    make_char_tokenizer().save_pretrained(tmp_path / "target")
+    make_drafter(target, block_size=4).save_pretrained(tmp_path / "drafter")
+    prompts = write_lines(tmp_path / "prompts.jsonl", PROMPTS)
+    common = ["generate", "--prompts", str(prompts), "--target", str(tmp_path / "target"), "--dtype", "float32",
+              "--max-new-tokens", "12", "--batch-size", "3"]
+    assert main([*common, "--drafter", str(tmp_path / "drafter"), "--out", str(tmp_path / "dflash.jsonl")]) == 0
+    assert "τ" in capsys.readouterr().out
+    assert main([*common, "--drafter", "none", "--out", str(tmp_path / "plain.jsonl")]) == 0
+    dflash = [json.loads(line) for line in (tmp_path / "dflash.jsonl").read_text().splitlines()]
+    plain = [json.loads(line) for line in (tmp_path / "plain.jsonl").read_text().splitlines()]
+    assert [row["id"] for row in dflash] == [row["id"] for row in plain] and len(dflash) == len(PROMPTS)
+    assert [row["response"] for row in dflash] == [row["response"] for row in plain]
+    assert all(row["new_tokens"] > 0 for row in dflash)
