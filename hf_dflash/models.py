@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from .packaged_files import file_sha256, package_file
 
 __all__ = [
+    "load_any_target",
     "DEFAULT_TARGET",
     "KNOWN_TARGETS",
     "MissingTargetPackageError",
@@ -234,3 +235,18 @@ def load_target(
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
     model.eval()
     return model, tokenizer
+
+
+def load_any_target(name: str, dtype: torch.dtype | str = torch.float32):
+    """(target in eval mode, tokenizer or None) from a known name (`KNOWN_TARGETS`) or a local
+    Transformers folder (tokenizer None when the folder has none); ValueError otherwise."""
+    if name in KNOWN_TARGETS:
+        return load_target(name, dtype=dtype)
+    folder = Path(name)
+    if not folder.is_dir():
+        known = ", ".join(KNOWN_TARGETS)
+        raise ValueError(f"Unknown target {name!r}: neither a known target ({known}) nor a local model folder.")
+    target = AutoModelForCausalLM.from_pretrained(folder, dtype=resolve_dtype(dtype)).eval()
+    has_tokenizer = any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+    return target, AutoTokenizer.from_pretrained(folder) if has_tokenizer else None
+

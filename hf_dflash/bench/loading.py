@@ -8,11 +8,10 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..checkpoints import load_drafter
 from ..modeling_dflash import DFlashConfig, DFlashDraftModel
-from ..models import KNOWN_TARGETS, load_target, resolve_dtype
+from ..models import load_any_target, resolve_dtype
 
 __all__ = ["RANDOM_DRAFTER", "BenchModels", "load_bench_models", "machine_description", "random_drafter"]
 
@@ -44,13 +43,11 @@ def random_drafter(
 
 
 def load_bench_target(name: str, dtype: torch.dtype):
-    """A known target (`hf_dflash.models.KNOWN_TARGETS`) or a local Transformers folder, with its tokenizer."""
-    if name in KNOWN_TARGETS:
-        return load_target(name, dtype=dtype)
-    if Path(name).is_dir():
-        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval(), AutoTokenizer.from_pretrained(name)
-    known = ", ".join(KNOWN_TARGETS)
-    raise ValueError(f"Unknown target {name!r}: neither a known target ({known}) nor a local model folder.")
+    """A known target or a local Transformers folder, with its tokenizer (required to render prompts)."""
+    model, tokenizer = load_any_target(name, dtype)
+    if tokenizer is None:
+        raise ValueError(f"Target folder {name!r} has no tokenizer; save one next to the model.")
+    return model, tokenizer
 
 
 def load_bench_models(

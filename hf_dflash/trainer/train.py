@@ -22,16 +22,14 @@ merged) is saved Hub-native in `output_dir`.
 
 from pathlib import Path
 
-import torch
 import yaml
 from torch.utils.data import Subset
-from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..checkpoints import load_drafter
 from ..hub_cards import TrainingRecordCallback, record_data_from_prepare_data
 from ..modeling_dflash import DFlashConfig, DFlashDraftModel
-from ..models import KNOWN_TARGETS, load_target
+from ..models import load_any_target
 from .arguments import DFlashTrainingArguments
 from .datasets import TokenizedDataset
 from .trainer import DFlashTrainer
@@ -54,15 +52,6 @@ def load_train_config(path: str | Path) -> dict:
         if required not in config:
             raise ValueError(f"{path}: missing section {required!r}.")
     return config
-
-
-def load_frozen_target(name: str, dtype: str):
-    """(target, tokenizer or None) from a known name or a local Transformers folder."""
-    if name in KNOWN_TARGETS:
-        return load_target(name, dtype=dtype)
-    target = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype)).eval()
-    has_tokenizer = any((Path(name) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
-    return target, AutoTokenizer.from_pretrained(name) if has_tokenizer else None
 
 
 def build_drafter(section: dict, target, tokenizer, block_size: int) -> DFlashDraftModel:
@@ -99,7 +88,7 @@ def build_datasets(section: dict, args: DFlashTrainingArguments, drafter: DFlash
 def train_from_config(config: dict) -> DFlashTrainer:
     """Run (or resume) a training described by a config dict; returns the finished trainer."""
     args = DFlashTrainingArguments(**config["training"])
-    target, tokenizer = load_frozen_target(config["target"], config.get("target_dtype", "float32"))
+    target, tokenizer = load_any_target(config["target"], config.get("target_dtype", "float32"))
     drafter = build_drafter(config.get("drafter"), target, tokenizer, args.block_size)
     model = drafter
     if config.get("lora"):
