@@ -5,8 +5,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from huggingface_hub import ModelCard
 
 from hf_dflash.checkpoints import load_drafter
+from hf_dflash.models import load_any_target
 from hf_dflash.trainer.datasets import TokenizedDataset
 from hf_dflash.trainer.train import load_train_config, train_from_config
 from tests.conftest import make_target
@@ -45,6 +47,22 @@ def test_train_from_yaml_saves_a_drafter_and_reports_tau(run_config):
     drafter = load_drafter(trainer.args.output_dir)
     assert drafter.config.block_size == 4 and drafter.config.target_layer_ids == [1, 3]
     assert any("eval_tau" in entry for entry in trainer.state.log_history)
+
+
+def test_the_card_names_the_configured_target_not_its_cache_folder(run_config, monkeypatch):
+    import hf_dflash.trainer.train as train_module
+
+    def load_from_cache(name, dtype):  # like a known target: loaded from a cache folder
+        target, tokenizer = load_any_target(name, dtype)
+        target.config.name_or_path = "/root/.cache/hf_dflash/some-target"
+        return target, tokenizer
+
+    monkeypatch.setattr(train_module, "load_any_target", load_from_cache)
+    config = load_train_config(run_config)
+    config["training"].update(max_steps=1, eval_strategy="no", save_strategy="no")
+    trainer = train_from_config(config)
+    card = ModelCard.load(Path(trainer.args.output_dir) / "README.md")
+    assert card.data.base_model == config["target"]
 
 
 def test_a_rerun_resumes_from_the_last_checkpoint(run_config):

@@ -85,9 +85,11 @@ def build_datasets(section: dict, args: DFlashTrainingArguments, drafter: DFlash
     return train, evaluation
 
 
-def train_from_config(config: dict) -> DFlashTrainer:
-    """Run (or resume) a training described by a config dict; returns the finished trainer."""
-    args = DFlashTrainingArguments(**config["training"])
+def train_from_config(config: dict, callbacks: list | None = None) -> DFlashTrainer:
+    """Run (or resume) a training described by a config dict; returns the finished trainer.
+    `callbacks` (`TrainerCallback`s) are added to the trainer's own."""
+    # The card's base_model: the target as named in the config, not its cache folder.
+    args = DFlashTrainingArguments(**{"target_name_or_path": config["target"], **config["training"]})
     target, tokenizer = load_any_target(config["target"], config.get("target_dtype", "float32"))
     drafter = build_drafter(config.get("drafter"), target, tokenizer, args.block_size)
     model = drafter
@@ -98,7 +100,7 @@ def train_from_config(config: dict) -> DFlashTrainer:
     train, evaluation = build_datasets(config["data"], args, drafter, target.get_input_embeddings().weight.shape[0])
     record = TrainingRecordCallback(**training_data_record(Path(config["data"]["tokenized"]), len(train)))
     trainer = DFlashTrainer(
-        model, args, target=target, train_dataset=train, eval_dataset=evaluation, callbacks=[record]
+        model, args, target=target, train_dataset=train, eval_dataset=evaluation, callbacks=[record, *(callbacks or [])]
     )
     last = get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
     trainer.train(resume_from_checkpoint=last)

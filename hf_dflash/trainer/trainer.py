@@ -102,6 +102,8 @@ class DFlashTrainer(Trainer):
             )
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
         target.requires_grad_(False)
+        if getattr(target, "hf_device_map", None) is None and target.device != self.args.device:
+            target = target.to(self.args.device)  # the Trainer moves the drafter; the frozen target must follow
         self.target = target.eval()
         self.target_layer_ids = list(model.config.target_layer_ids)
         self.model_accepts_loss_kwargs = True  # compute_loss uses num_items_in_batch
