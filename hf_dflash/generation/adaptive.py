@@ -194,16 +194,17 @@ def measure_round_seconds(
 
     A round = drafter pass over k new context features and a k-token block, its LM head on the k-1 draft
     slots (none when k = 1), then a target forward over k tokens after a `context_length`-token prompt,
-    with the hidden states the drafter needs. Both caches are cropped back after each pass. Uses no
-    random numbers (a fixed token pattern), so measuring never changes what `generate` samples.
+    with the hidden states the drafter needs. Both caches are cropped back after each pass. The block
+    lengths are timed in turn `repeats` times (machine noise spreads over all of them) after one
+    warm-up round; a round never gets cheaper with k, so noise that says otherwise is evened out
+    (running maximum). Uses no random numbers, so measuring never changes what `generate` samples.
     """
     device = target.device
     layer_ids = list(drafter.config.target_layer_ids)
     hidden_request = [i + 1 for i in layer_ids]
     embedding, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     context_length = max(context_length, max(block_lengths))
-    vocab = embedding.num_embeddings
-    token_ids = (torch.arange(rows * context_length, device=device) * 7919 % vocab).view(rows, context_length)
+    token_ids = (torch.arange(rows * context_length, device=device) * 7919 % embedding.num_embeddings).view(rows, -1)
     # Transformers 5.24 names the cache argument `cache`, 5.23 `past_key_values`.
     cache_name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
     cache = DynamicCache(config=target.config)
@@ -227,18 +228,17 @@ def measure_round_seconds(
         target(input_ids=token_ids[:, :k], use_cache=True, output_hidden_states=hidden_request, **{cache_name: cache})
         cache.crop(-k)
 
-    seconds = []
-    for k in block_lengths:
-        one_round(k)  # warm-up: first-call allocations and kernel selection
-        times = []
-        for _ in range(repeats):
+    one_round(max(block_lengths))  # warm-up: first-call allocations and kernel selection
+    times: dict[int, list[float]] = {k: [] for k in block_lengths}
+    for _ in range(repeats):
+        for k in block_lengths:
             _synchronize(device)
             start = time.perf_counter()
             one_round(k)
             _synchronize(device)
-            times.append(time.perf_counter() - start)
-        seconds.append(statistics.median(times))
-    return tuple(seconds)
+            times[k].append(time.perf_counter() - start)
+    medians = torch.tensor([statistics.median(times[k]) for k in block_lengths])
+    return tuple(medians.cummax(0).values.tolist())
 
 
 def config_digest(config) -> str:
