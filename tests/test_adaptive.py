@@ -101,6 +101,8 @@ def test_cost_model_interpolates_block_lengths_and_rows():
     between = model.round_seconds(2, 4)  # a third of the way from 1 to 4 rows
     torch.testing.assert_close(between, tensor([4 / 3, 4 / 3 + (2.4 - 4 / 3) / 3, 4 / 3 + 2 * (2.4 - 4 / 3) / 3, 2.4]))
     torch.testing.assert_close(model.round_seconds(8, 1), tensor([4.0]))  # above the largest: proportional
+    only_larger = CostModel((1, 4, 8), {4: (2.0, 4.0, 6.0), 8: (3.0, 7.0, 11.0)})
+    torch.testing.assert_close(only_larger.round_seconds(1, 4), tensor([2.0, 2 + 2 / 3, 2 + 4 / 3, 4.0]))  # smallest
     assert measured_block_lengths(16) == (1, 2, 4, 8, 16)
     assert measured_block_lengths(5) == (1, 2, 4, 5)
     assert measured_block_lengths(32) == (1, 2, 4, 8, 16, 32)
@@ -155,6 +157,16 @@ def test_corrupt_cost_model_cache_is_measured_again(tmp_path, content):
         model = measured_cost_model(target, drafter, (1,), tmp_path, measure)
     assert measure.calls == [1]
     assert measured_cost_model(target, drafter, (1,), tmp_path, measure) == model and measure.calls == [1]
+
+
+def test_unwritable_cost_model_cache_only_warns(tmp_path):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    target = make_target("llama")
+    measure = FakeMeasure()
+    with pytest.warns(UserWarning, match="Could not cache the DFlash cost model"):
+        model = measured_cost_model(target, make_drafter(target, block_size=4), (1,), not_a_folder, measure)
+    assert measure.calls == [1] and model.block_lengths == (1, 2, 4)
 
 
 def test_cost_model_fingerprint_separates_models_and_machines(tmp_path):

@@ -4,7 +4,7 @@ A drafter trained at block size B drafts a shorter block `[bonus, MASK x (k-1)]`
 (k = 1: no drafter pass, a plain decoding step). Verification is unchanged, so every k is lossless;
 only the speed depends on k. The adaptive policy picks the k with the most committed tokens per second:
 
-    p_i  = P(draft slot i accepted | slots before it accepted)      running estimate per row
+    p_i  = P(draft slot i accepted | slots before it accepted)      running estimate per row, i = 1..B-1
     E(k) = 1 + sum_{j=1}^{k-1} prod_{i<=j} p_i                       expected tokens committed by a round
     k*   = argmax_k sum_rows E_r(k) / cost(rows, k)                  one k per round (one pass) for a batch
 
@@ -60,10 +60,10 @@ def update_acceptance_counts(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Discounted per-slot counts after one round.
 
-    successes, trials (R, S): discounted accepted drafts / reached draft slots of each row, S = B - 1;
-    num_drafts (R,) drafts offered to each row this round; num_accepted (R,) drafts it accepted.
-    Slot i was a trial when it was reached (i <= accepted) and offered (i < drafts); a success when
-    i < accepted. Every count first decays by `decay`, reached or not, so old evidence fades and a slot
+    successes, trials (R, S): discounted accepted drafts / reached draft slots of each row, S = B - 1,
+    column i = draft slot i + 1; num_drafts (R,) drafts offered to each row this round; num_accepted (R,)
+    drafts it accepted. Column i was a trial when reached (i <= accepted) and offered (i < drafts); a
+    success when i < accepted. Every count first decays by `decay`, reached or not, so old evidence fades and a slot
     that is no longer tried drifts back to its prior (which makes the policy try it again).
     """
     slots = torch.arange(successes.shape[1], device=successes.device)
@@ -77,8 +77,8 @@ def acceptance_probabilities(
 ) -> torch.Tensor:
     """p (R, S): P(slot i accepted | slots < i accepted) from the counts (R, S).
 
-    Each slot's estimate shrinks toward a prior worth `prior_weight` trials: slot 0 toward `prior`,
-    slot i toward slot i-1's estimate (a slot rarely reached is assumed to accept like the one before it,
+    Each slot's estimate shrinks toward a prior worth `prior_weight` trials: the first draft's toward
+    `prior`, every later one's toward the estimate of the slot before it (a slot rarely reached is assumed to accept like the one before it,
     not like the optimistic prior: otherwise one lucky draft would keep long blocks attractive).
     """
     estimates = []
@@ -90,8 +90,9 @@ def acceptance_probabilities(
 
 
 def expected_tokens(p: torch.Tensor) -> torch.Tensor:
-    """E (R, S+1) from p (R, S): E[:, k-1] = E(k) = 1 + sum_{j<k} prod_{i<j} p_i, tokens committed by a
-    round with block length k (the bonus token plus the expected accepted drafts)."""
+    """E (R, S+1) from p (R, S) (column i - 1 = draft slot i): E[:, k-1] = E(k) = 1 + sum_{j=1}^{k-1}
+    prod_{i<=j} p_i, the tokens committed by a round with block length k (the bonus token plus the
+    expected accepted drafts)."""
     return torch.cat([torch.ones_like(p[:, :1]), 1 + p.cumprod(1).cumsum(1)], 1)
 
 
@@ -151,10 +152,12 @@ class CostModel:
     def round_seconds(self, rows: int, max_block_size: int) -> torch.Tensor:
         """(max_block_size,) float64: seconds of a round with block length k = 1..max_block_size."""
         measured = sorted(self.seconds)
+        scale = 1.0
         if rows >= measured[-1]:
             scale, per_length = rows / measured[-1], self.seconds[measured[-1]]
+        elif rows <= measured[0]:
+            per_length = self.seconds[measured[0]]
         else:
-            scale = 1.0
             per_length = [interpolate(rows, measured, [self.seconds[r][i] for r in measured])
                           for i in range(len(self.block_lengths))]
         values = [scale * interpolate(k, self.block_lengths, per_length) for k in range(1, max_block_size + 1)]
@@ -304,7 +307,8 @@ def measured_cost_model(
     """The cached cost model of this (target, drafter, machine), measuring the `rows` not cached yet.
 
     `measure(target, drafter, rows, block_lengths)` returns seconds per block length (injectable).
-    The file is rewritten atomically, so concurrent runs never read half a file.
+    The file is rewritten atomically, so concurrent runs never read half a file; a cache folder that
+    cannot be written only warns.
     """
     key = cost_model_key(target, drafter)
     path = cost_model_path(key, cache_dir)
@@ -318,7 +322,10 @@ def measured_cost_model(
         logger.info("Timing DFlash rounds of %d row(s) at block lengths %s (cached in %s).", count, lengths, path)
         seconds[count] = tuple(measure(target, drafter, count, lengths))
     model = CostModel(lengths, seconds)
-    write_json_atomic(path, {"format": COST_MODEL_FORMAT, "key": key, **model.to_dict()})
+    try:
+        write_json_atomic(path, {"format": COST_MODEL_FORMAT, "key": key, **model.to_dict()})
+    except OSError as error:  # a read-only cache costs a measurement per call, not the generation
+        warnings.warn(f"Could not cache the DFlash cost model in {path} ({error}); set $HF_DFLASH_CACHE.", stacklevel=3)
     return model
 
 
@@ -374,8 +381,10 @@ class ScheduledBlockSize:
 class AdaptiveBlockSize:
     """Choose k each round to maximise expected committed tokens per second (see the module docstring).
 
-    decay: weight kept by past evidence each round (0.9: about the last 10 rounds count);
-    prior: slot 0's acceptance before any evidence (1.0, optimistic: the first rounds use long blocks);
+    decay: weight kept by past evidence each round (0.9: about the last 10 rounds count; 1: nothing is
+        forgotten, and a block length once abandoned is never tried again);
+    prior: the first draft's acceptance before any evidence (1.0, optimistic: the first rounds use whole
+        blocks; later drafts start from the estimate of the draft before them);
     prior_weight: how many trials the prior is worth;
     cost_model: seconds per round; None measures it once per model pair and machine, cached in
     `cache_dir` (default: the hf_dflash cache directory, `$HF_DFLASH_CACHE`) under `cost_models/`.
