@@ -475,3 +475,17 @@ def test_sampling_with_random_schedule_preserves_target_distribution():
                               eos_token_id=None, pad_token_id=PAD, **warpers)
         counts += torch.bincount(out[:, prefix.shape[1] + 1], minlength=len(counts)).float()
     assert chi_square_against(counts, p_second, "random schedule generate(do_sample)").pvalue > ALPHA
+
+
+def test_single_prompt_sampling_with_random_schedule_runs_every_block_length():
+    """Smoke test of batch-1 sampling under a random schedule (rounds without drafts sample the target
+    directly); the distribution checks are the batched test above and test_generation_sampling."""
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=5)
+    drafter.block_size_policy = random_schedule(5, seed=1)
+    torch.manual_seed(0)
+    out = target.generate(torch.tensor([[5, 6, 7]]), do_sample=True, max_new_tokens=40, eos_token_id=None,
+                          assistant_model=drafter, temperature=0.8)
+    assert out.shape == (1, 43)
+    check_stats(drafter.last_acceptance, 5)
+    assert set(drafter.last_acceptance.block_sizes) == {1, 2, 3, 4, 5}

@@ -78,15 +78,17 @@ def acceptance_probabilities(
     """p (R, S): P(slot i accepted | slots < i accepted) from the counts (R, S).
 
     Each slot's estimate shrinks toward a prior worth `prior_weight` trials: the first draft's toward
-    `prior`, every later one's toward the estimate of the slot before it (a slot rarely reached is assumed to accept like the one before it,
-    not like the optimistic prior: otherwise one lucky draft would keep long blocks attractive).
+    `prior`, every later one's toward the estimate of the slot before it. A slot rarely reached is thus
+    assumed to accept like the one before it: with the optimistic prior instead, the slots a poor drafter
+    never reaches would keep long blocks attractive.
     """
-    estimates = []
-    previous = torch.full_like(successes[:, 0], prior)
+    p = torch.empty_like(successes)
+    previous = torch.full_like(successes[:, :1], prior)
     for slot in range(successes.shape[1]):
-        previous = (successes[:, slot] + prior_weight * previous) / (trials[:, slot] + prior_weight)
-        estimates.append(previous)
-    return torch.stack(estimates, 1) if estimates else successes.clone()
+        column = slice(slot, slot + 1)
+        previous = (successes[:, column] + prior_weight * previous) / (trials[:, column] + prior_weight)
+        p[:, column] = previous
+    return p
 
 
 def expected_tokens(p: torch.Tensor) -> torch.Tensor:

@@ -94,7 +94,12 @@ class BatchedDrafter:
         self.mask: torch.Tensor | None = None  # (B, T) validity of the cached context slots
 
     def draft(
-        self, bonus: torch.LongTensor, context: torch.Tensor, context_mask: torch.Tensor, num_drafts: int, block_length: int
+        self,
+        bonus: torch.LongTensor,
+        context: torch.Tensor,
+        context_mask: torch.Tensor,
+        num_drafts: int,
+        block_length: int,
     ):
         """Draft `num_drafts` tokens after each row's bonus token in one drafter pass over a block of
         `block_length` <= block_size tokens `[bonus, MASK x (block_length - 1)]`, num_drafts < block_length.
