@@ -1,5 +1,6 @@
-"""Adaptive block size (`hf_dflash.generation.adaptive`): the estimator maths by hand, losslessness under
-random per-round block sizes (single and batched), the policy's convergence, and the cost-model cache."""
+"""Adaptive block size (`hf_dflash.generation.adaptive` and `.cost_model`): the estimator maths by hand,
+losslessness under random per-round block sizes (single and batched), the policy's convergence, and
+the cost-model cache."""
 
 import functools
 import json
@@ -12,16 +13,18 @@ import torch
 from hf_dflash.generation.adaptive import (
     AdaptiveBlockSize,
     AdaptiveController,
-    CostModel,
     acceptance_probabilities,
     best_block_size,
+    expected_tokens,
+    update_acceptance_counts,
+)
+from hf_dflash.generation.cost_model import (
+    CostModel,
     cost_model_key,
     cost_model_path,
-    expected_tokens,
     measure_round_seconds,
     measured_block_lengths,
     measured_cost_model,
-    update_acceptance_counts,
 )
 from tests.conftest import ARCHITECTURES, VOCAB, OracleDrafter, make_drafter, make_target
 from tests.test_generation_batched import PAD, random_batch, unpadded

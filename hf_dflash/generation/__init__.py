@@ -1,5 +1,6 @@
-from .adaptive import AdaptiveBlockSize, CostModel
+from .adaptive import AdaptiveBlockSize
 from .candidate_generator import AcceptanceStats, DFlashCandidateGenerator
+from .cost_model import CostModel
 from .decoding import DFlashGenerateOutput, dflash_decoding
 from .pairing import check_pairing
 
