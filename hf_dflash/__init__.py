@@ -6,7 +6,14 @@ Importing this package registers `model_type="dflash"` with `AutoConfig`/`AutoMo
 
 from transformers import AutoConfig, AutoModel
 
-from .generation import AcceptanceStats, DFlashCandidateGenerator, DFlashGenerateOutput, check_pairing
+from .generation import (
+    AcceptanceStats,
+    AdaptiveBlockSize,
+    CostModel,
+    DFlashCandidateGenerator,
+    DFlashGenerateOutput,
+    check_pairing,
+)
 from .generation.hook import install_generate_hook
 from .modeling_dflash import DFlashConfig, DFlashDraftModel
 
@@ -21,6 +28,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AcceptanceStats",
+    "AdaptiveBlockSize",
+    "CostModel",
     "DFlashCandidateGenerator",
     "DFlashConfig",
     "DFlashDraftModel",

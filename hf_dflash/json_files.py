@@ -1,7 +1,8 @@
-"""Reading JSON files with errors that name the file."""
+"""Reading JSON files with errors that name the file; writing them atomically."""
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -17,3 +18,18 @@ def read_json_object(path: str | os.PathLike, what: str) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{file} must hold a JSON object, got {type(data).__name__}.")
     return data
+
+
+def write_json_atomic(path: str | os.PathLike, payload: dict) -> None:
+    """Write `payload` as JSON so that `path` is either its old self or complete, never half-written:
+    a temporary sibling (unique, so concurrent writers do not collide) renamed over `path`."""
+    file = Path(path)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{file.name}.", suffix=".tmp", dir=file.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            json.dump(payload, stream, indent=1)
+        os.replace(temporary, file)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)

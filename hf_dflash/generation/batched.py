@@ -31,6 +31,7 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 
 from ..modeling_dflash import DFlashDraftModel
+from .adaptive import block_size_controller
 from .candidate_generator import AcceptanceStats, target_layer_features
 from .pairing import check_pairing
 from .verification import (
@@ -88,13 +89,20 @@ class BatchedDrafter:
         self.drafter = drafter
         self.embedding = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
-        self.block_size = config.block_size
         self.mask_token_id = config.mask_token_id
         self.cache = DynamicCache(config=config)
         self.mask: torch.Tensor | None = None  # (B, T) validity of the cached context slots
 
-    def draft(self, bonus: torch.LongTensor, context: torch.Tensor, context_mask: torch.Tensor, num_drafts: int):
-        """Draft `num_drafts` tokens after each row's bonus token in one drafter pass.
+    def draft(
+        self,
+        bonus: torch.LongTensor,
+        context: torch.Tensor,
+        context_mask: torch.Tensor,
+        num_drafts: int,
+        block_length: int,
+    ):
+        """Draft `num_drafts` tokens after each row's bonus token in one drafter pass over a block of
+        `block_length` <= block_size tokens `[bonus, MASK x (block_length - 1)]`, num_drafts < block_length.
 
         bonus (B,) the last committed token of each row; context (B, C, n*Ht) target features of the
         tokens committed since the last call, valid where context_mask (B, C) is 1.
@@ -105,18 +113,18 @@ class BatchedDrafter:
         seen = past_mask.sum(1, keepdim=True)  # (B, 1) tokens whose features are already cached
         context_positions = (seen + context_mask.cumsum(1) - 1).clamp_min(0)
         bonus_position = seen + context_mask.sum(1, keepdim=True)  # = tokens before the bonus
-        block_positions = bonus_position + torch.arange(self.block_size, device=device)
-        block_ids = torch.full((batch, self.block_size), self.mask_token_id, dtype=bonus.dtype, device=device)
+        block_positions = bonus_position + torch.arange(block_length, device=device)
+        block_ids = torch.full((batch, block_length), self.mask_token_id, dtype=bonus.dtype, device=device)
         block_ids[:, 0] = bonus
         self.mask = torch.cat([past_mask, context_mask], 1)
         hidden = self.drafter(
             noise_embeds=self.embedding(block_ids),
             context_hidden_states=context,
             position_ids=torch.cat([context_positions, block_positions], 1),
-            attention_mask=torch.cat([self.mask, self.mask.new_ones(batch, self.block_size)], 1),
+            attention_mask=torch.cat([self.mask, self.mask.new_ones(batch, block_length)], 1),
             cache=self.cache,
         ).last_hidden_state
-        self.cache.crop(-self.block_size)  # keep the context only; the next block replaces this one
+        self.cache.crop(-block_length)  # keep the context only; the next block replaces this one
         return self.lm_head(hidden[:, 1 : 1 + num_drafts])
 
     def prune(self, index: torch.LongTensor | None) -> None:
@@ -212,6 +220,7 @@ def batched_dflash_decoding(
     check_batched_support(cache, assistant_model, generation_config, streamer)
     cache.activate_past_recording()
     drafter = BatchedDrafter(assistant_model, model)
+    controller = block_size_controller(assistant_model, model, batch_size=input_ids.shape[0])
     layer_ids = list(assistant_model.config.target_layer_ids)
     hidden_request = {"output_hidden_states": [i + 1 for i in layer_ids]}
     block_size, do_sample = assistant_model.config.block_size, bool(generation_config.do_sample)
@@ -294,13 +303,16 @@ def batched_dflash_decoding(
         if needs_compaction(target_mask):
             target_mask = compact_cache(cache, target_mask)
 
-        # One drafter pass drafts k tokens for every row; never past the longest row's limit.
+        # One drafter pass over a block of k tokens drafts k - 1 tokens for every row; never past the
+        # longest row's limit. k = 1: no drafter pass, the context waits for the next one.
         prefixes = [sequences[row, : lengths[row]] for row in rows]
         bonus = torch.stack([prefix[-1] for prefix in prefixes])
-        num_drafts = max(0, min(block_size - 1, max(cap - lengths[row] - 1 for row in rows)))
+        block_length = controller.choose(rows)
+        stats.block_sizes.append(block_length)
+        num_drafts = max(0, min(block_length - 1, max(cap - lengths[row] - 1 for row in rows)))
         draft_probs = None
         if num_drafts:
-            draft_logits = drafter.draft(bonus, context, context_mask, num_drafts)
+            draft_logits = drafter.draft(bonus, context, context_mask, num_drafts, block_length)
             context = None
             draft_logits = process_drafts(logits_processor, draft_logits)
             if do_sample:
@@ -327,6 +339,7 @@ def batched_dflash_decoding(
         else:
             new_tokens = greedy_tokens(processed)  # (B, k+1): the target's token after each prefix
             num_accepted = ((drafts != new_tokens[:, :-1]).int().cumsum(1) == 0).sum(1)
+        controller.observe(rows, num_drafts, num_accepted)
 
     assistant_model.last_acceptance = stats
     width = max(min(length, cap) for length in lengths)

@@ -9,16 +9,23 @@ from transformers.cache_utils import DFlashCache
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..modeling_dflash import DFlashDraftModel
+from .adaptive import BlockSizeController, FixedBlockSize
 from .pairing import check_pairing
 from .verification import greedy_tokens, process_draft_logits
 
 
 @dataclass
 class AcceptanceStats:
-    """Acceptance of one `generate` call. τ of a round = accepted drafts + 1 (the bonus token)."""
+    """Acceptance of one `generate` call. τ of a round = accepted drafts + 1 (the bonus token).
+
+    acceptance_lengths: τ of every verification round (batched: of every row in every round);
+    block_sizes: the block length k of every round (k - 1 drafts offered; 1 = no drafter pass), which
+    is `block_size` unless `drafter.block_size_policy` chose otherwise.
+    """
 
     block_size: int
     acceptance_lengths: list[int] = field(default_factory=list)
+    block_sizes: list[int] = field(default_factory=list)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -41,7 +48,8 @@ def target_layer_features(hidden_states: tuple, target_layer_ids: list[int], row
 
 
 class DFlashCandidateGenerator(CandidateGenerator):
-    """Drafts `block_size - 1` tokens per round from `[bonus, MASK x (block_size - 1)]`.
+    """Drafts k - 1 tokens per round from `[bonus, MASK x (k - 1)]`, k = block_size unless a
+    `block_size_controller` chooses k <= block_size each round (k = 1: no drafter pass).
 
     Follows Transformers' DFlash contract: it needs the previous target forward's outputs
     (`requires_model_outputs`) with the hidden states of `target_layer_ids` (`model_kwargs_overrides`).
@@ -56,6 +64,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         target: PreTrainedModel,
         generation_config: GenerationConfig,
         logits_processor: LogitsProcessorList | None = None,
+        block_size_controller: BlockSizeController | None = None,
     ):
         check_pairing(target, drafter)
         config = drafter.config
@@ -69,8 +78,13 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
+        self.controller = block_size_controller or FixedBlockSize(self.block_size)
         self.cache = DFlashCache(config=config)
         self.context_length = 0  # tokens whose target features are in `self.cache`
+        self.features_length = 0  # tokens whose target features were read (cached or pending)
+        self.pending: torch.Tensor | None = None  # (1, P, n*Ht) features read but not yet given to the drafter
+        self.block_length = 0  # tokens of the block whose keys/values end `self.cache`
+        self.num_drafts = 0  # drafts offered in the current round
         self.stats = AcceptanceStats(block_size=self.block_size)
 
     def get_candidates(
@@ -84,31 +98,40 @@ class DFlashCandidateGenerator(CandidateGenerator):
     ) -> tuple[torch.LongTensor, torch.Tensor | None]:
         """input_ids (1, L) ends with the bonus token the target has not consumed yet.
 
-        Returns (1, L + k) candidates and their (1, k, V) draft probabilities when sampling
-        (processed draft logits when greedy), k <= block_size - 1 and never past `max_length`.
+        Returns (1, L + d) candidates and their (1, d, V) draft probabilities when sampling
+        (processed draft logits when greedy), d = k - 1 for the k the controller chose, never past
+        `max_length`; d = 0 (no drafter pass) returns input_ids and None.
         """
         length = input_ids.shape[1]
-        num_drafts = min(self.block_size - 1, self.max_length - length - 1)
-        if is_first_iteration or num_drafts <= 0:
+        if is_first_iteration:
+            return input_ids, None
+        # The last target forward covered positions [features_length, length - 1) (the accepted tokens;
+        # the bonus token's own features do not exist yet). Rounds without a drafter pass leave theirs pending.
+        rows = length - 1 - self.features_length
+        features = target_layer_features(model_outputs.hidden_states, self.target_layer_ids, rows)
+        self.pending = features if self.pending is None else torch.cat([self.pending, features], 1)
+        self.features_length = length - 1
+
+        block_length = self.controller.choose([0])
+        self.stats.block_sizes.append(block_length)
+        self.num_drafts = num_drafts = max(0, min(block_length - 1, self.max_length - length - 1))
+        if not num_drafts:
             return input_ids, None
 
-        # Context = the accepted tokens of the last target forward, i.e. positions
-        # [context_length, length - 1); the bonus token's own features do not exist yet.
-        rows = length - 1 - self.context_length
-        context = target_layer_features(model_outputs.hidden_states, self.target_layer_ids, rows)
-        if self.context_length:
-            self.cache.crop(-self.block_size)  # drop the previous block's keys/values
-        self.cache.set_previous_accepted_tokens(rows)
-        block_ids = torch.full((1, self.block_size), self.mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+        context, self.pending = self.pending, None
+        if self.block_length:
+            self.cache.crop(-self.block_length)  # drop the previous block's keys/values
+        self.cache.set_previous_accepted_tokens(context.shape[1])
+        block_ids = torch.full((1, block_length), self.mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
         block_ids[:, 0] = input_ids[:, -1]
-        position_ids = torch.arange(self.context_length, length - 1 + self.block_size, device=input_ids.device)
+        position_ids = torch.arange(self.context_length, length - 1 + block_length, device=input_ids.device)
         hidden = self.drafter(
             noise_embeds=self.embedding(block_ids),
             context_hidden_states=context,
             position_ids=position_ids.unsqueeze(0),
             cache=self.cache,
         ).last_hidden_state
-        self.context_length = length - 1
+        self.context_length, self.block_length = length - 1, block_length
 
         logits = process_draft_logits(self.logits_processor, input_ids, self.lm_head(hidden[:, 1 : 1 + num_drafts]))
         if self.do_sample:
@@ -118,5 +141,6 @@ class DFlashCandidateGenerator(CandidateGenerator):
         return torch.cat([input_ids, greedy_tokens(logits)], dim=-1), logits
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
-        """Record τ = num_matches + 1 for the round that was just verified."""
+        """Record τ = num_matches + 1 for the round that was just verified; the controller learns from it."""
         self.stats.acceptance_lengths.append(num_matches + 1)
+        self.controller.observe([0], self.num_drafts, torch.tensor([num_matches]))

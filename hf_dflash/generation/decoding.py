@@ -9,7 +9,8 @@ cache, streamer) and the `CandidateGenerator` contract, and replaces the built-i
   - target logits processors run once over the block when they do not read input_ids;
   - `return_dict_in_generate` with `output_hidden_states`/`output_scores`/`output_logits` works;
   - acceptance statistics are returned (`DFlashGenerateOutput.acceptance_lengths`) and kept on the
-    drafter (`drafter.last_acceptance`).
+    drafter (`drafter.last_acceptance`);
+  - the block length may change every round (`drafter.block_size_policy`, see `adaptive.py`).
 A batch of several (left-padded) prompts runs `batched.batched_dflash_decoding`: one drafter pass
 and one target pass per round for all rows.
 """
@@ -25,6 +26,7 @@ from transformers.generation.candidate_generator import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .adaptive import block_size_controller
 from .candidate_generator import DFlashCandidateGenerator
 from .batched import batched_dflash_decoding
 from .verification import (
@@ -82,7 +84,8 @@ def dflash_decoding(
         raise ValueError("DFlash generation needs a target cache; do not pass use_cache=False.")
     cache.activate_past_recording()  # sliding-window layers must be able to roll back rejected drafts
 
-    generator = DFlashCandidateGenerator(assistant_model, model, generation_config, logits_processor)
+    controller = block_size_controller(assistant_model, model, batch_size=1)
+    generator = DFlashCandidateGenerator(assistant_model, model, generation_config, logits_processor, controller)
     # The drafter needs a few layers' hidden states; a caller asking for all of them gets all of them.
     overrides = {"output_hidden_states": True} if generation_config.output_hidden_states else generator.model_kwargs_overrides
     want_dict = generation_config.return_dict_in_generate
