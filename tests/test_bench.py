@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hf_dflash.bench import METHODS, generate_with, load_prompt_sets, run_bench
+from hf_dflash.bench.card import divergence_note
 from hf_dflash.bench.methods import ForwardRecorder
 from hf_dflash.bench.runner import rotated
 from hf_dflash.cli import main
@@ -86,8 +87,21 @@ def test_card_validates_and_is_written_for_export(greedy):
     (row,) = card["sets"].values()
     assert set(row) == set(BENCHMARK_SET_FIELDS) and row["identical"] is True
     dflash = report["sets"]["mine"]["methods"]["dflash"]
-    assert row["tau"] == dflash["tau"] and row["speedup"] == dflash["speedup"]
+    assert row["tau"] == round(dflash["tau"], 2) and row["speedup"] == round(dflash["speedup"], 2)
+    assert "divergences" not in card["settings"]  # fp32: every answer equals plain greedy
     assert load_benchmark(out / "benchmark.json") == card
+
+
+def test_divergence_note_counts_our_answers_and_the_largest_gap():
+    entries = [
+        {"method": "dflash", "logit_gap": 0.125},
+        {"method": "lookup", "logit_gap": 3.0},
+        {"method": "dflash", "logit_gap": 0.0},
+    ]
+    assert divergence_note(entries, 28) == (
+        "2 of 28 DFlash answers differ from plain greedy; at each first difference the target's top-2 logit gap is <= 0.125"
+    )
+    assert divergence_note([{"method": "lookup", "logit_gap": 1.0}], 3) is None
 
 
 def test_plots_exist(greedy):

@@ -52,7 +52,7 @@ def build_report(summary: dict, samples: list[Sample], command: str, machine: st
         OVERALL: summary[OVERALL],
         "divergences": divergences,
         "samples": [asdict(sample) for sample in samples],
-        "card": benchmark_card(summary, command, machine, settings),
+        "card": benchmark_card(summary, command, machine, settings, divergences),
     }
 
 
