@@ -11,6 +11,8 @@ script runs the package's own stages (`regenerate_responses`, `tokenize_response
 3. Training: each `--variant NAME:key=value,...` (DFlashConfig overrides, e.g. `L5:num_hidden_layers=5`)
    trains in its own process, all at once. A variant first times 32 steps (the second half counts), then trains as many steps as
    its remaining time allows, so the cosine schedule ends exactly at the deadline.
+   Concurrent variants each get an equal share of the GPU memory (a first run without the cap saw
+   one variant's caching allocator hold 100 GiB and the other run out of memory).
 4. Each drafter is saved Hub-native in bf16 under OUT/drafters/NAME-bf16, with its training log.
 
     python scripts/train_on_gpu.py --corpus out/gpu/corpus/prompts.jsonl --out /tmp/run \\
@@ -167,6 +169,9 @@ def train_variant(args: argparse.Namespace) -> None:
     from hf_dflash.checkpoints import load_drafter
     from hf_dflash.trainer.train import train_from_config
 
+    if args.device.startswith("cuda") and args.memory_fraction < 1:
+        # Variants share the GPU: a cap makes each caching allocator release blocks before another OOMs.
+        torch.cuda.set_per_process_memory_fraction(args.memory_fraction)
     name, _, spec = args.variant[0].partition(":")
     overrides = {key: json.loads(value) for key, value in (item.split("=") for item in spec.split(",") if item)}
     root = Path(args.out) / "drafters"
@@ -231,6 +236,7 @@ def main() -> None:
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--workers", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--memory-fraction", type=float, default=1.0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.stage == "gen-worker":
         return gen_worker(args)
@@ -248,7 +254,10 @@ def main() -> None:
     variants = args.variant or ["L5:num_hidden_layers=5"]
     processes = [
         subprocess.Popen(
-            [sys.executable, __file__, "train-variant", *forwarded(args), "--variant", spec, "--deadline", str(deadline)]
+            [
+                sys.executable, __file__, "train-variant", *forwarded(args), "--variant", spec,
+                "--deadline", str(deadline), "--memory-fraction", str(0.9 / len(variants)),
+            ]  # fmt: skip
         )
         for spec in variants
     ]
