@@ -1,0 +1,67 @@
+"""The drafter shipped in `models/`: small bf16 weights, a valid card carrying the numbers of its own
+benchmark.json, and on the real SmolLM2 it is lossless and actually accepts drafts (trained weights)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from safetensors import safe_open
+
+from hf_dflash.checkpoints import load_drafter
+from hf_dflash.demo import DEMO_PROMPTS, SHIPPED_DRAFTER
+from hf_dflash.hub_cards.schemas import load_benchmark, load_training_record
+
+MAX_WEIGHT_BYTES = 40 * 1000 * 1000
+# v1 measures τ = 2.03 on this prompt (fp32, 64 tokens); a random drafter measures 1.00.
+MIN_TAU_ON_DEMO_MATH = 1.3
+
+
+def test_the_weights_are_bf16_and_within_40_mb():
+    weights = SHIPPED_DRAFTER / "model.safetensors"
+    assert weights.stat().st_size <= MAX_WEIGHT_BYTES
+    with safe_open(weights, "pt") as handle:
+        assert {handle.get_slice(name).get_dtype() for name in handle.keys()} == {"BF16"}
+    config = json.loads((SHIPPED_DRAFTER / "config.json").read_text())
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_dflash.DFlashConfig",
+        "AutoModel": "modeling_dflash.DFlashDraftModel",
+    }
+    assert (SHIPPED_DRAFTER / "configuration_dflash.py").is_file() and (SHIPPED_DRAFTER / "modeling_dflash.py").is_file()
+
+
+def test_the_card_carries_its_benchmark_and_training_record():
+    card = ModelCard.load(SHIPPED_DRAFTER / "README.md")
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert card.data.library_name == "transformers"
+    assert {"dflash", "speculative-decoding", "block-diffusion"} <= set(card.data.tags)
+    benchmark = load_benchmark(SHIPPED_DRAFTER / "benchmark.json")
+    record = load_training_record(SHIPPED_DRAFTER / "training_record.json")
+    table = card.text.split("| set | n | τ | speed-up | plain tok/s | DFlash tok/s | identical |\n")[1].split("\n\n")[0]
+    for name, numbers in benchmark["sets"].items():
+        (row,) = [line for line in table.splitlines() if line.startswith(f"| {name} | ")]
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert int(cells[1]) == numbers["n"]
+        for cell, key in zip(cells[2:6], ("tau", "speedup", "plain_tok_s", "dflash_tok_s"), strict=True):
+            assert float(cell) == numbers[key], (name, key, cell)
+    assert f"`{benchmark['command']}`" in card.text
+    assert f"{record['global_steps']} optimizer steps" in card.text
+
+
+@pytest.fixture(scope="module")
+def shipped_fp32():
+    return load_drafter(SHIPPED_DRAFTER).float().eval()
+
+
+@pytest.mark.real_model
+def test_lossless_and_accepting_on_the_real_target(real_target, shipped_fp32):
+    target, tokenizer = real_target
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": DEMO_PROMPTS["math"]}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    plain = target.generate(**inputs, do_sample=False, max_new_tokens=64)
+    ours = target.generate(**inputs, do_sample=False, max_new_tokens=64, assistant_model=shipped_fp32)
+    assert torch.equal(plain, ours)
+    assert shipped_fp32.last_acceptance.mean_acceptance_length >= MIN_TAU_ON_DEMO_MATH
+
