@@ -38,9 +38,11 @@ def register_convert(subparsers) -> None:
 def _run_demo(args: argparse.Namespace) -> int:
     import torch
 
-    from .demo import run_demo
+    from .demo import SHIPPED_DRAFTER, run_demo
 
-    rows = run_demo(max_new_tokens=args.max_new_tokens, dtype=getattr(torch, args.dtype))
+    rows = run_demo(
+        max_new_tokens=args.max_new_tokens, dtype=getattr(torch, args.dtype), drafter_path=args.drafter or SHIPPED_DRAFTER
+    )
     return 0 if all(row["identical"] for row in rows) else 1
 
 
@@ -48,10 +50,13 @@ def register_demo(subparsers) -> None:
     parser = subparsers.add_parser(
         "demo",
         help="generate with SmolLM2-135M-Instruct, plain greedy vs DFlash, side by side",
-        description="Stream math, code and chat answers of SmolLM2-135M-Instruct (bf16) through DFlash and "
-        "print tokens/s plain vs DFlash, the mean acceptance length and whether outputs are identical.",
+        description="Stream math, code and chat answers of SmolLM2-135M-Instruct through DFlash with the shipped "
+        "drafter and print tokens/s plain vs DFlash, the mean acceptance length and whether outputs are identical.",
     )
-    parser.add_argument("--max-new-tokens", type=int, default=96, help="tokens per answer (default: 96)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer (default: 128)")
+    parser.add_argument(
+        "--drafter", default=None, help="drafter folder (default: the shipped models/smollm2-135m-instruct-dflash)"
+    )
     parser.add_argument(
         "--dtype",
         default="float32",

@@ -1,18 +1,21 @@
 """`hf-dflash demo`: a real target answers math, code and chat prompts with plain greedy and DFlash.
 
-Until the trained SmolLM2 drafter ships in `models/`, the drafter is randomly initialised: outputs
-stay identical to plain greedy (that is the point of speculative decoding), but a random drafter
-is almost never right, so DFlash is slower than plain decoding here. The demo says so.
+The drafter is the one shipped in this repository (`models/smollm2-135m-instruct-dflash`, trained by
+our own pipeline), or any drafter folder passed with `--drafter`.
 """
 
 import time
+from pathlib import Path
 
 import torch
 from transformers import TextStreamer
 
 from .bench.divergence import divergence_note
-from .modeling_dflash import DFlashConfig, DFlashDraftModel
+from .checkpoints import load_drafter
 from .models import DEFAULT_TARGET, load_target
+
+# The drafter that ships with the repository (a source checkout or an editable install).
+SHIPPED_DRAFTER = Path(__file__).resolve().parent.parent / "models" / "smollm2-135m-instruct-dflash"
 
 DEMO_PROMPTS = {
     "math": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -29,16 +32,22 @@ def timed_generate(target, inputs, **kwargs) -> tuple[torch.LongTensor, float]:
     return output, time.perf_counter() - start
 
 
-def run_demo(max_new_tokens: int = 96, dtype: torch.dtype = torch.float32, block_size: int = 16) -> list[dict]:
+def run_demo(
+    max_new_tokens: int = 128, dtype: torch.dtype = torch.float32, drafter_path: str | Path = SHIPPED_DRAFTER
+) -> list[dict]:
     """Stream each demo answer through DFlash, then time plain vs DFlash side by side; print a summary."""
+    if not Path(drafter_path).is_dir():
+        raise ValueError(
+            f"No drafter folder at {drafter_path}: run the demo from a checkout of the repository (it ships "
+            "models/smollm2-135m-instruct-dflash) or pass --drafter FOLDER."
+        )
     target, tokenizer = load_target(DEFAULT_TARGET, dtype=dtype)
-    torch.manual_seed(0)
-    config = DFlashConfig.from_target_config(target.config, num_hidden_layers=3, block_size=block_size, tokenizer=tokenizer)
-    drafter = DFlashDraftModel(config).to(dtype).eval()
+    drafter = load_drafter(drafter_path).to(dtype).eval()
+    drafter.block_size_policy = "adaptive"  # block length per round from acceptance and measured costs
+    config = drafter.config
     print(
-        f"Target: {DEFAULT_TARGET} ({dtype}). Drafter: RANDOMLY INITIALISED (no trained drafter ships yet), "
-        f"block size {block_size}.\nExpect identical outputs and τ ≈ 1: a random drafter makes DFlash slower, "
-        "not faster. A trained drafter is what brings the speed-up.\n"
+        f"Target: {DEFAULT_TARGET} ({dtype}). Drafter: {drafter_path} ({config.num_hidden_layers} layers, "
+        f"block size {config.block_size}, adaptive block length).\n"
     )
     rows = []
     for name, text in DEMO_PROMPTS.items():
@@ -57,12 +66,13 @@ def run_demo(max_new_tokens: int = 96, dtype: torch.dtype = torch.float32, block
             "plain_tok_s": new_tokens / plain_seconds,
             "dflash_tok_s": (dflash.shape[1] - inputs["input_ids"].shape[1]) / dflash_seconds,
             "tau": drafter.last_acceptance.mean_acceptance_length,
+            "mean_block": sum(drafter.last_acceptance.block_sizes) / max(len(drafter.last_acceptance.block_sizes), 1),
             "identical": torch.equal(plain, dflash),
         }
         rows.append(row)
         verdict = "yes" if row["identical"] else "NO, " + divergence_note(target, plain, dflash, inputs["input_ids"].shape[1])
         print(
             f"--- plain {row['plain_tok_s']:.1f} tok/s | DFlash {row['dflash_tok_s']:.1f} tok/s | "
-            f"τ {row['tau']:.2f} | identical to plain greedy: {verdict}\n"
+            f"τ {row['tau']:.2f} | mean block {row['mean_block']:.1f} | identical to plain greedy: {verdict}\n"
         )
     return rows
