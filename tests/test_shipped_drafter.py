@@ -31,6 +31,13 @@ def test_the_weights_are_bf16_and_within_40_mb():
     assert (SHIPPED_DRAFTER / "configuration_dflash.py").is_file() and (SHIPPED_DRAFTER / "modeling_dflash.py").is_file()
 
 
+def test_the_remote_code_is_the_package_code():
+    """The folder's remote code must be today's (`hf-dflash export` copies it; the weights stay)."""
+    package = Path(load_drafter.__code__.co_filename).parent / "modeling_dflash"
+    for name in ("configuration_dflash.py", "modeling_dflash.py"):
+        assert (SHIPPED_DRAFTER / name).read_text() == (package / name).read_text(), f"re-export {name}"
+
+
 def test_the_card_carries_its_benchmark_and_training_record():
     card = ModelCard.load(SHIPPED_DRAFTER / "README.md")
     assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
