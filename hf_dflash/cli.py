@@ -307,6 +307,7 @@ def _run_bench(args: argparse.Namespace) -> int:
             out=args.out,
             methods=args.methods,
             device=args.device,
+            block_size_policy=args.block_size_policy,
             progress=not args.no_progress,
         )
     except (MissingDataPackageError, MissingTargetPackageError) as error:
@@ -365,6 +366,10 @@ def register_bench(subparsers) -> None:
         help=f"comma-separated, from {','.join(METHODS)} (default: all)",
     )
     parser.add_argument("--device", default=None, help="e.g. cpu, cuda:0 (default: cuda when available, else cpu)")
+    parser.add_argument(
+        "--block-size-policy", default="trained",
+        help="our DFlash method's block length per round: 'trained' (default), 'adaptive', or a fixed k",
+    )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=_run_bench)
 
@@ -390,6 +395,10 @@ def register_generate(subparsers) -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="rows per batch (default: 8)")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer (default: 256)")
     parser.add_argument("--dtype", default="bfloat16", help="target and drafter dtype (default: bfloat16)")
+    parser.add_argument(
+        "--block-size-policy", default="trained",
+        help="block length per round: 'trained' (the drafter's block size, default), 'adaptive', or a fixed k",
+    )  # fmt: skip
     parser.set_defaults(func=_run_generate)
 
 

@@ -16,6 +16,7 @@ from hf_dflash.generation.adaptive import (
     acceptance_probabilities,
     best_block_size,
     expected_tokens,
+    parse_block_size_policy,
     update_acceptance_counts,
 )
 from hf_dflash.generation.cost_model import (
@@ -492,3 +493,12 @@ def test_single_prompt_sampling_with_random_schedule_runs_every_block_length():
     assert out.shape == (1, 43)
     check_stats(drafter.last_acceptance, 5)
     assert set(drafter.last_acceptance.block_sizes) == {1, 2, 3, 4, 5}
+
+
+def test_command_line_policies_parse_and_bad_ones_name_the_fix():
+    assert parse_block_size_policy("trained", 16) is None
+    assert parse_block_size_policy("adaptive", 16) == "adaptive"
+    assert parse_block_size_policy("8", 16) == 8 and parse_block_size_policy("1", 16) == 1
+    for bad in ("17", "0", "-3", "fast", "8.0"):
+        with pytest.raises(ValueError, match=r"'trained'.*'adaptive'.*1 <= k <= 16"):
+            parse_block_size_policy(bad, 16)

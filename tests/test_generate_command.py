@@ -20,9 +20,13 @@ def test_batched_generate_command_matches_plain(tmp_path, capsys):
               "--max-new-tokens", "12", "--batch-size", "3"]
     assert main([*common, "--drafter", str(tmp_path / "drafter"), "--out", str(tmp_path / "dflash.jsonl")]) == 0
     assert "τ" in capsys.readouterr().out
+    shorter = ["--drafter", str(tmp_path / "drafter"), "--block-size-policy", "2", "--out", str(tmp_path / "k2.jsonl")]
+    assert main([*common, *shorter]) == 0
     assert main([*common, "--drafter", "none", "--out", str(tmp_path / "plain.jsonl")]) == 0
     dflash = [json.loads(line) for line in (tmp_path / "dflash.jsonl").read_text().splitlines()]
     plain = [json.loads(line) for line in (tmp_path / "plain.jsonl").read_text().splitlines()]
     assert [row["id"] for row in dflash] == [row["id"] for row in plain] and len(dflash) == len(PROMPTS)
     assert [row["response"] for row in dflash] == [row["response"] for row in plain]
+    k2 = [json.loads(line) for line in (tmp_path / "k2.jsonl").read_text().splitlines()]
+    assert [row["response"] for row in k2] == [row["response"] for row in plain]
     assert all(row["new_tokens"] > 0 for row in dflash)

@@ -6,6 +6,7 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..generation.adaptive import parse_block_size_policy
 from .loading import load_bench_models, machine_description
 from .methods import METHODS, PROMPT_LOOKUP_NUM_TOKENS, check_methods
 from .plots import write_plots
@@ -40,6 +41,7 @@ def run_bench(
     out: str | Path = "out/bench",
     methods: Sequence[str] = METHODS,
     device: str | None = None,
+    block_size_policy: str = "trained",
     progress: bool = True,
 ) -> dict:
     """Benchmark `methods` with `target` + `drafter` on the sets and/or prompts file; write `out/bench.json`,
@@ -58,10 +60,13 @@ def run_bench(
         "methods": list(methods),
         "device": device,
     }
+    if block_size_policy != "trained":
+        options["block_size_policy"] = block_size_policy  # the default stays out of the command line
     check_methods(methods)
     prompt_sets = load_prompt_sets(sets, prompts, num_prompts, seed)
     models = load_bench_models(target, drafter, dtype=dtype, device=device, seed=seed)
     options["device"] = str(models.target.device)
+    models.drafter.block_size_policy = parse_block_size_policy(block_size_policy, models.drafter.config.block_size)
     print(
         f"Target: {target} ({dtype}, {models.target.device}). Drafter: {models.drafter_description}.\n"
         f"Sets: " + ", ".join(f"{name} ({len(records)})" for name, records in prompt_sets.items())
@@ -83,6 +88,7 @@ def run_bench(
         "target": target,
         "drafter": models.drafter_description,
         "block_size": models.drafter.config.block_size,
+        "block_size_policy": block_size_policy,  # our DFlash method only (the built-in loop uses block_size)
         "dtype": dtype,
         "device": options["device"],
         "max_new_tokens": max_new_tokens,

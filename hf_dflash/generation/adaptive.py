@@ -236,3 +236,18 @@ def block_size_controller(
         f"{max_block_size}), an int k with 1 <= k <= {max_block_size}, 'adaptive', an AdaptiveBlockSize(...), "
         "or a callable round_index -> k."
     )
+
+
+def parse_block_size_policy(text: str, max_block_size: int) -> str | int | None:
+    """A command-line policy: "trained" (None: block size B), "adaptive", or an int 1 <= k <= B;
+    ValueError naming the value otherwise."""
+    if text == "trained":
+        return None
+    if text == "adaptive":
+        return "adaptive"
+    if text.isdigit() and is_block_size(int(text), max_block_size):
+        return int(text)
+    raise ValueError(
+        f"block size policy {text!r}: use 'trained' (the drafter's block size {max_block_size}), 'adaptive', "
+        f"or a block length k with 1 <= k <= {max_block_size}."
+    )

@@ -71,9 +71,12 @@ def generate_file(
 def run_generate(args) -> dict:
     """The CLI entry: load target and drafter (`--drafter random|PATH|none`) like `hf-dflash bench`."""
     from ..bench.loading import RANDOM_DRAFTER, load_bench_models
+    from .adaptive import parse_block_size_policy
 
     models = load_bench_models(args.target, RANDOM_DRAFTER if args.drafter == "none" else args.drafter, args.dtype)
     drafter = None if args.drafter == "none" else models.drafter
+    if drafter is not None:
+        drafter.block_size_policy = parse_block_size_policy(args.block_size_policy, drafter.config.block_size)
     summary = generate_file(
         models.target, models.tokenizer, drafter, args.prompts, args.out, args.batch_size, args.max_new_tokens
     )
