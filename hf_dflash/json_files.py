@@ -20,16 +20,24 @@ def read_json_object(path: str | os.PathLike, what: str) -> dict:
     return data
 
 
-def write_json_atomic(path: str | os.PathLike, payload: dict) -> None:
-    """Write `payload` as JSON so that `path` is either its old self or complete, never half-written:
-    a temporary sibling (unique, so concurrent writers do not collide) renamed over `path`."""
-    file = Path(path)
-    file.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{file.name}.", suffix=".tmp", dir=file.parent)
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to `path` so that `path` is either absent/old or complete, never partial: a unique
+    hidden temporary sibling (concurrent writers do not collide), synced, then renamed over `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            json.dump(payload, stream, indent=1)
-        os.replace(temporary, file)
+            stream.write(text)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, path)
     finally:
         if os.path.exists(temporary):
             os.unlink(temporary)
+
+
+def write_json_atomic(path: str | os.PathLike, payload: dict) -> None:
+    """Write `payload` as JSON atomically (`write_atomic`)."""
+    write_atomic(path, json.dumps(payload, indent=1))

@@ -9,10 +9,10 @@ two kinds of data in one folder.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+from ..json_files import write_atomic
 
 __all__ = ["check_stage_config", "read_jsonl", "shard_name", "write_atomic", "write_jsonl_atomic"]
 
@@ -22,22 +22,6 @@ CONFIG_FILE = "config.json"
 def shard_name(prefix: str, index: int) -> str:
     """`responses-00003.jsonl` for ("responses", 3)."""
     return f"{prefix}-{index:05d}.jsonl"
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` so that `path` is either absent/old or complete, never partial."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(text)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
 
 
 def write_jsonl_atomic(path: Path, rows: Iterable[dict]) -> None:

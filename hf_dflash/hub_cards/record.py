@@ -20,7 +20,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..json_files import read_json_object
+from ..json_files import read_json_object, write_atomic
 from .schemas import TRAINING_RECORD_NAME, validate_training_record
 
 # TrainingArguments / DFlashTrainingArguments fields copied into the record (those that are set).
@@ -94,10 +94,7 @@ def write_training_record(record: dict, path: str | os.PathLike) -> Path:
     """Validate `record` and write it as JSON (atomically: a crash leaves no half-written file)."""
     validate_training_record(record, str(path))
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial")
-    partial.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    partial.replace(out)
+    write_atomic(out, json.dumps(record, indent=2) + "\n")
     return out
 
 
