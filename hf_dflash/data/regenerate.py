@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .continuous import continuous_batching_supported, continuous_greedy_replies
 from .shards import check_stage_config, shard_name, write_jsonl_atomic
 
 __all__ = ["SHARD_PREFIX", "generate_replies", "regenerate_responses", "shard_seed", "user_turns"]
@@ -132,6 +133,19 @@ def regenerate_shard(
             else:
                 pending.append((i, ids))
         pending.sort(key=lambda item: -len(item[1]))  # similar lengths share a batch; the longest run first
+        if temperature == 0 and continuous_batching_supported(model):
+            # Greedy: rows leave as they finish and new prompts join (see continuous.py).
+            replies = continuous_greedy_replies(
+                model,
+                [ids for _, ids in pending],
+                eos_ids=eos_ids,
+                pad_id=pad_id,
+                max_new_tokens=max_new_tokens,
+                batch_size=batch_size,
+                on_reply=on_replies,
+            )
+            record_replies(tokenizer, rows, [i for i, _ in pending], replies, eos_ids)
+            continue
         for start in range(0, len(pending), batch_size):
             batch = pending[start : start + batch_size]
             replies = generate_replies(
@@ -142,14 +156,17 @@ def regenerate_shard(
                 temperature=temperature,
                 max_new_tokens=max_new_tokens,
             )
-            for (i, _), reply in zip(batch, replies):
-                finished = bool(reply) and reply[-1] in eos_ids
-                text = tokenizer.decode(reply, skip_special_tokens=True)
-                rows[i]["messages"].append({"role": "assistant", "content": text})
-                rows[i]["num_new_tokens"].append(len(reply))
-                rows[i]["finished"].append(finished)
+            record_replies(tokenizer, rows, [i for i, _ in batch], replies, eos_ids)
             on_replies(len(batch))
     return rows
+
+
+def record_replies(tokenizer, rows: list[dict], indices: list[int], replies: list[list[int]], eos_ids: list[int]):
+    """Append each reply (decoded) to its row's messages, with its length and whether it ended with EOS."""
+    for i, reply in zip(indices, replies):
+        rows[i]["messages"].append({"role": "assistant", "content": tokenizer.decode(reply, skip_special_tokens=True)})
+        rows[i]["num_new_tokens"].append(len(reply))
+        rows[i]["finished"].append(bool(reply) and reply[-1] in eos_ids)
 
 
 def regenerate_responses(

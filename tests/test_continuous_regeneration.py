@@ -1,0 +1,61 @@
+"""Continuous-batching greedy regeneration: every reply equals the prompt's own greedy reply."""
+
+import pytest
+import torch
+
+from hf_dflash.data.continuous import continuous_greedy_replies, merge_caches
+from hf_dflash.generation.batched import compact_cache
+from transformers.cache_utils import DynamicCache
+
+from .conftest import make_target
+
+PROMPTS = [[5 + i, 7, 9 + 2 * i] + [11 + (i * j) % 90 for j in range(i % 5 * 3)] for i in range(9)]
+
+
+def plain_greedy(model, prompt, max_new_tokens, eos_ids):
+    out = model.generate(
+        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_ids, pad_token_id=0,
+    )[0, len(prompt):].tolist()
+    end = next((i + 1 for i, t in enumerate(out) if t in eos_ids), len(out))
+    return out[:end]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("batch_size,refill_below", [(1, 1), (3, 2), (4, None), (16, None)])
+def test_continuous_replies_equal_plain_greedy_per_prompt(arch, batch_size, refill_below):
+    model = make_target(arch)
+    # An EOS that the greedy replies do produce, so rows finish at different steps and others join.
+    first = plain_greedy(model, PROMPTS[0], 12, eos_ids=[-1])
+    eos_ids = [first[4], first[9]]
+    expected = [plain_greedy(model, prompt, 12, eos_ids) for prompt in PROMPTS]
+    assert len({len(reply) for reply in expected}) > 1  # the rows really do end at different times
+    done = []
+    replies = continuous_greedy_replies(
+        model, PROMPTS, eos_ids=eos_ids, pad_id=0, max_new_tokens=12, batch_size=batch_size,
+        refill_below=refill_below, on_reply=done.append,
+    )
+    assert replies == expected
+    assert len(done) == len(PROMPTS)
+
+
+def test_merge_caches_left_pads_the_shorter_and_keeps_every_row():
+    def cache_of(batch, width, value):
+        cache = DynamicCache()
+        cache.update(torch.full((batch, 2, width, 4), value), torch.full((batch, 2, width, 4), -value), 0)
+        return cache
+
+    a, b = cache_of(2, 3, 1.0), cache_of(1, 5, 2.0)
+    mask = merge_caches(a, torch.ones(2, 3, dtype=torch.long), b, torch.ones(1, 5, dtype=torch.long))
+    assert mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]
+    keys = a.layers[0].keys
+    assert keys.shape == (3, 2, 5, 4)
+    assert (keys[:2, :, :2] == 0).all() and (keys[:2, :, 2:] == 1).all() and (keys[2] == 2).all()
+    assert (a.layers[0].values[2] == -2).all()
+    compacted = compact_cache(a, mask)  # the padding slots are what compaction later removes
+    assert compacted.shape == (3, 5)
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="batch_size"):
+        continuous_greedy_replies(make_target(), PROMPTS, eos_ids=[2], pad_id=0, max_new_tokens=4, batch_size=0)
