@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 
 import hf_dflash
+from hf_dflash.dtypes import describe_dtype
 from hf_dflash.generation import candidate_generator as dflash_candidates
 from hf_dflash.generation import decoding as dflash_decoding_module
 from hf_dflash.models import load_target
@@ -279,7 +280,7 @@ def build_drafter(target, tokenizer, block_size: int, num_layers: int, seed: int
     config = hf_dflash.DFlashConfig.from_target_config(
         target.config, num_hidden_layers=num_layers, block_size=block_size, tokenizer=tokenizer
     )
-    return hf_dflash.DFlashDraftModel(config).to(torch.bfloat16).eval()
+    return hf_dflash.DFlashDraftModel(config).to(target.dtype).eval()  # the target's dtype (--dtype)
 
 
 def run_dflash(
@@ -426,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--draft-layers", type=int, default=3)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="auto (default): bf16 only with native CPU support")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", default=None, help="converted-target cache (default $HF_DFLASH_CACHE)")
@@ -451,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         "embedding": ForwardTimer(target.get_input_embeddings(), skip_while=target_timer).attach(),
     }
 
-    print(f"prompt {inputs['input_ids'].shape[1]} tokens, {args.threads} threads, {args.dtype}, "
+    print(f"prompt {inputs['input_ids'].shape[1]} tokens, {args.threads} threads, {describe_dtype(args.dtype)}, "
           f"drafter {args.draft_layers} layers block {args.block_size}; load average {os.getloadavg()}")
     run_dflash(target, drafter, inputs, args.max_new_tokens, timers)  # warm-up
     _, plain_warm = run_plain(target, inputs, args.max_new_tokens, target_timer)

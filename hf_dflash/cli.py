@@ -11,6 +11,26 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+
+
+def _add_dtype_argument(parser, what: str) -> None:
+    """--dtype, default "auto": bfloat16 where the hardware multiplies bf16 natively, else float32 (see dtypes.py)."""
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help=f"{what} (default: auto = bfloat16 on CUDA and on CPUs with native bf16 such as AVX-512 BF16/AMX, "
+        "else float32; the choice and its reason are printed). float32 is token-exact; in bf16 a k-token "
+        "forward may round a near-tie differently from a 1-token forward",
+    )
+
+
+def _announce_dtype(dtype: str, device: str = "cpu") -> None:
+    from .dtypes import describe_dtype
+
+    print(f"dtype: {describe_dtype(dtype, device)}")
+
 
 def _run_convert(args: argparse.Namespace) -> int:
     from .checkpoints import convert
@@ -36,14 +56,11 @@ def register_convert(subparsers) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    import torch
+    from .demo import SHIPPED_DRAFTER, demo_succeeded, run_demo
 
-    from .demo import SHIPPED_DRAFTER, run_demo
-
-    rows = run_demo(
-        max_new_tokens=args.max_new_tokens, dtype=getattr(torch, args.dtype), drafter_path=args.drafter or SHIPPED_DRAFTER
-    )
-    return 0 if all(row["identical"] for row in rows) else 1
+    _announce_dtype(args.dtype)
+    rows = run_demo(max_new_tokens=args.max_new_tokens, dtype=args.dtype, drafter_path=args.drafter or SHIPPED_DRAFTER)
+    return 0 if demo_succeeded(rows) else 1
 
 
 def register_demo(subparsers) -> None:
@@ -57,24 +74,17 @@ def register_demo(subparsers) -> None:
     parser.add_argument(
         "--drafter", default=None, help="drafter folder (default: the shipped models/smollm2-135m-instruct-dflash)"
     )
-    parser.add_argument(
-        "--dtype",
-        default="float32",
-        choices=("float32", "bfloat16"),
-        help="target dtype; float32 is token-exact, bfloat16 is faster but a k-token forward may round "
-        "a near-tie differently from a 1-token forward (reported with its logit gap)",
-    )
+    _add_dtype_argument(parser, "target and drafter dtype")
     parser.set_defaults(func=_run_demo)
 
 
 def _run_cache_features(args: argparse.Namespace) -> int:
-    import torch
-
     from .modeling_dflash import default_target_layer_ids
     from .models import load_target, resolve_dtype
     from .trainer.offline_features import cache_features
 
-    target, _ = load_target(args.target, dtype=torch.float32)
+    _announce_dtype(args.target_dtype)
+    target, _ = load_target(args.target, dtype=args.target_dtype)
     layer_ids = args.target_layer_ids or default_target_layer_ids(target.config.num_hidden_layers, 5)
     out = cache_features(
         target,
@@ -117,6 +127,13 @@ def register_cache_features(subparsers) -> None:
     parser.add_argument(
         "--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="storage dtype"
     )
+    parser.add_argument(
+        "--target-dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="dtype the target computes the features in (default: auto, the dtype generation will use on this "
+        "machine: train on what you serve)",
+    )
     parser.add_argument("--batch-size", type=int, default=4, help="samples per target forward (default: 4)")
     parser.add_argument("--shard-size-mb", type=float, default=256, help="shard size in MiB (default: 256)")
     parser.set_defaults(func=_run_cache_features)
@@ -128,6 +145,7 @@ def _run_prepare_data(args: argparse.Namespace) -> int:
     from .models import MissingTargetPackageError
 
     sources = [name.strip() for name in args.sources.split(",") if name.strip()]
+    _announce_dtype(args.dtype)
     try:
         summary = prepare_data(
             args.out,
@@ -179,12 +197,7 @@ def register_prepare_data(subparsers) -> None:
     )
     parser.add_argument("--max-prompts", type=int, default=None, help="keep at most N prompts (seeded random choice)")
     parser.add_argument("--target", default="smollm2-135m-instruct", help="a known target (default: %(default)s)")
-    parser.add_argument(
-        "--dtype",
-        default="bfloat16",
-        choices=("bfloat16", "float32"),
-        help="target dtype for generation (default: %(default)s)",
-    )
+    _add_dtype_argument(parser, "target dtype for regeneration")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), > 0 samples")
     parser.add_argument("--max-new-tokens", type=int, default=512, help="reply length limit (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (default: %(default)s)")
@@ -348,12 +361,7 @@ def register_bench(subparsers) -> None:
         "--num-prompts", type=int, default=8, help="prompts sampled per set with the seed, 0 = all (default: 8)"
     )
     parser.add_argument("--max-new-tokens", type=int, default=256, help="per answer (turn) (default: %(default)s)")
-    parser.add_argument(
-        "--dtype",
-        default="bfloat16",
-        choices=("bfloat16", "float16", "float32"),
-        help="target and drafter dtype (default: %(default)s; float32 is token-exact, bfloat16 may flip near-ties)",
-    )
+    _add_dtype_argument(parser, "target and drafter dtype")
     parser.add_argument(
         "--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples (seeded, no identity check)"
     )
@@ -394,7 +402,7 @@ def register_generate(subparsers) -> None:
     parser.add_argument("--drafter", default="random", help="drafter folder (either format), 'random' or 'none'")
     parser.add_argument("--batch-size", type=int, default=8, help="rows per batch (default: 8)")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer (default: 256)")
-    parser.add_argument("--dtype", default="bfloat16", help="target and drafter dtype (default: bfloat16)")
+    _add_dtype_argument(parser, "target and drafter dtype")
     parser.add_argument(
         "--block-size-policy", default="trained",
         help="block length per round: 'trained' (the drafter's block size, default), 'adaptive', or a fixed k",

@@ -11,7 +11,7 @@ under a temporary name and renamed into place only when complete, so an interrup
 never leaves a half-written target behind.
 
     >>> from hf_dflash.models import load_target
-    >>> target, tokenizer = load_target("smollm2-135m-instruct", dtype=torch.bfloat16)
+    >>> target, tokenizer = load_target("smollm2-135m-instruct", dtype="auto")  # bf16 only where it is fast
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .dtypes import AUTO, resolve_dtype
 from .packaged_files import file_sha256, package_file
 
 __all__ = [
@@ -98,18 +99,6 @@ def locate_gguf(spec: TargetSpec) -> Path:
     """Path of the GGUF file inside the installed package, found without importing the package."""
     missing = f"The target weights come from {spec.requirement}; install it with: {spec.install_hint}"
     return package_file(spec.package, spec.gguf_file, missing, MissingTargetPackageError)
-
-
-def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """torch.dtype from a dtype or its name ("bfloat16", "torch.float16", "fp32", ...)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32"}
-    key = str(dtype).removeprefix("torch.")
-    resolved = getattr(torch, aliases.get(key, key), None)
-    if not isinstance(resolved, torch.dtype):
-        raise ValueError(f"Unknown dtype {dtype!r}; use a torch.dtype or a name such as 'bfloat16'.")
-    return resolved
 
 
 def is_converted(folder: Path, spec: TargetSpec) -> bool:
@@ -208,14 +197,15 @@ def discard(folder: Path) -> None:
 
 def load_target(
     name: str = DEFAULT_TARGET,
-    dtype: torch.dtype | str = torch.float32,
+    dtype: torch.dtype | str = AUTO,
     cache_dir: str | Path | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a known real target and its tokenizer, converting its GGUF to a cached safetensors folder once.
 
     Args:
         name: a key of `KNOWN_TARGETS` (default "smollm2-135m-instruct").
-        dtype: the dtype of the returned model (torch.dtype or its name).
+        dtype: the dtype of the returned model (torch.dtype or its name); "auto" (default) picks the fast
+            one for this CPU (`hf_dflash.dtypes.choose_dtype`: bf16 only with native bf16 support).
         cache_dir: where converted targets live; default `$HF_DFLASH_CACHE` or `~/.cache/hf_dflash`.
 
     Returns:
@@ -237,7 +227,7 @@ def load_target(
     return model, tokenizer
 
 
-def load_any_target(name: str, dtype: torch.dtype | str = torch.float32):
+def load_any_target(name: str, dtype: torch.dtype | str = AUTO):
     """(target in eval mode, tokenizer or None) from a known name (`KNOWN_TARGETS`) or a local
     Transformers folder (tokenizer None when the folder has none); ValueError otherwise."""
     if name in KNOWN_TARGETS:

@@ -12,6 +12,7 @@ import torch
 from hf_dflash.bench import METHODS, generate_with, load_prompt_sets, run_bench
 from hf_dflash.bench.card import divergence_note
 from hf_dflash.bench.methods import ForwardRecorder
+from hf_dflash.bench.report import format_table
 from hf_dflash.bench.runner import rotated
 from hf_dflash.cli import main
 from hf_dflash.hub_cards import load_benchmark
@@ -62,11 +63,14 @@ def test_report_has_every_field_and_all_methods_equal_plain_greedy_in_fp32(greed
     for row in [*report["sets"].values(), report["overall"]]:
         assert row["n"] == 3 and row["generations"] == 4  # the 2-turn prompt answers twice
         assert set(row["methods"]) == set(METHODS)
+        # the baseline is the faster plain decoding: plain (fp32 here) or plain-alt (bf16)
+        plain_rates = {method: row["methods"][method]["tok_s"] for method in ("plain", "plain-alt")}
+        assert row["baseline"] == max(plain_rates, key=plain_rates.get)
         for method, stats in row["methods"].items():
             assert set(stats) == METHOD_FIELDS
             assert stats["new_tokens"] > 0 and stats["tok_s"] > 0
-            assert stats["speedup"] == pytest.approx(stats["tok_s"] / row["methods"]["plain"]["tok_s"])
-            if method == "plain":
+            assert stats["speedup"] == pytest.approx(stats["tok_s"] / max(plain_rates.values()))
+            if method in ("plain", "plain-alt"):
                 assert stats["identical"] is None and stats["tau"] is None
             else:
                 assert stats["identical"] is True and stats["divergences"] == 0
@@ -77,7 +81,9 @@ def test_report_has_every_field_and_all_methods_equal_plain_greedy_in_fp32(greed
     assert report["divergences"] == []
     samples = report["samples"]
     assert len(samples) == 4 * len(METHODS) and {sample["turn"] for sample in samples} == {0, 1}
-    assert all(sample["identical"] for sample in samples if sample["method"] != "plain")
+    assert all(sample["identical"] for sample in samples if sample["method"] not in ("plain", "plain-alt"))
+    assert report["settings"]["dtypes"] == {"plain": "float32", "plain-alt": "bfloat16"}
+    assert "plain float32, plain-alt bfloat16" in format_table(report)
 
 
 def test_card_validates_and_is_written_for_export(greedy):
@@ -86,8 +92,10 @@ def test_card_validates_and_is_written_for_export(greedy):
     assert set(card) == {"command", "machine", "settings", "sets"}
     (row,) = card["sets"].values()
     assert set(row) == set(BENCHMARK_SET_FIELDS) and row["identical"] is True
-    dflash = report["sets"]["mine"]["methods"]["dflash"]
+    mine = report["sets"]["mine"]
+    dflash = mine["methods"]["dflash"]
     assert row["tau"] == round(dflash["tau"], 2) and row["speedup"] == round(dflash["speedup"], 2)
+    assert row["plain_tok_s"] == round(mine["methods"][mine["baseline"]]["tok_s"], 1)  # the faster plain
     assert "divergences" not in card["settings"]  # fp32: every answer equals plain greedy
     assert load_benchmark(out / "benchmark.json") == card
 
@@ -145,7 +153,7 @@ def test_recorder_without_position_ids_fails_loudly():
 
 
 def test_method_order_rotates_per_prompt():
-    assert [rotated(METHODS, index)[0] for index in range(5)] == [*METHODS, METHODS[0]]
+    assert [rotated(METHODS, index)[0] for index in range(len(METHODS) + 1)] == [*METHODS, METHODS[0]]
 
 
 def test_bad_inputs_are_named(folders, tmp_path, capsys):

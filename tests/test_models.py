@@ -91,7 +91,7 @@ def fake_gguf(monkeypatch):
 
 
 def test_conversion_is_cached_and_readable(fake_gguf, tmp_path):
-    model, _ = load_target(NAME, cache_dir=tmp_path)
+    model, _ = load_target(NAME, dtype="float32", cache_dir=tmp_path)
     again, _ = load_target(NAME, dtype="bfloat16", cache_dir=tmp_path)
     assert fake_gguf.calls["convert"] == 1
     assert again.dtype == torch.bfloat16 and not again.training and not model.training
@@ -121,7 +121,7 @@ def test_incomplete_folder_is_replaced(fake_gguf, tmp_path):
     stale = tmp_path / NAME
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"half")  # e.g. copied by hand, no marker
-    model, _ = load_target(NAME, cache_dir=tmp_path)
+    model, _ = load_target(NAME, dtype="float32", cache_dir=tmp_path)
     assert fake_gguf.calls["convert"] == 1
     assert torch.equal(model.lm_head.weight, fake_gguf.model.lm_head.weight)
 
@@ -155,7 +155,7 @@ def test_real_target_second_call_hits_cache(real_target, real_cache_dir, monkeyp
 
     monkeypatch.setattr(models, "convert_gguf", no_conversion)
     start = time.perf_counter()
-    again, tokenizer_again = load_target(NAME)  # cache dir from $HF_DFLASH_CACHE (set by the fixture)
+    again, tokenizer_again = load_target(NAME, dtype="float32")  # cache dir from $HF_DFLASH_CACHE (set by the fixture)
     elapsed = time.perf_counter() - start
     assert elapsed < 10.0, f"cached load took {elapsed:.1f} s"
     assert Path(real_cache_dir, NAME, MARKER_FILE).is_file()

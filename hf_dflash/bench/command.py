@@ -6,8 +6,11 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from ..generation.adaptive import parse_block_size_policy
-from .loading import load_bench_models, machine_description
+from ..dtypes import describe_dtype
+from .loading import load_bench_models, load_bench_target, machine_description
 from .methods import METHODS, PROMPT_LOOKUP_NUM_TOKENS, check_methods
 from .plots import write_plots
 from .prompts import EVAL_SETS, load_prompt_sets
@@ -15,7 +18,16 @@ from .report import build_report, format_table, write_report
 from .runner import run_benchmark
 from .summary import summarize
 
-__all__ = ["bench_command_line", "run_bench"]
+__all__ = ["bench_command_line", "other_dtype", "run_bench"]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def other_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype plain decoding is also timed in: float32 for a half-precision run, bfloat16 for float32."""
+    return torch.bfloat16 if dtype == torch.float32 else torch.float32
 
 
 def bench_command_line(options: dict) -> str:
@@ -35,7 +47,7 @@ def run_bench(
     prompts: str | None = None,
     num_prompts: int = 8,
     max_new_tokens: int = 256,
-    dtype: str = "bfloat16",
+    dtype: str = "auto",
     temperature: float = 0.0,
     seed: int = 0,
     out: str | Path = "out/bench",
@@ -66,9 +78,16 @@ def run_bench(
     prompt_sets = load_prompt_sets(sets, prompts, num_prompts, seed)
     models = load_bench_models(target, drafter, dtype=dtype, device=device, seed=seed)
     options["device"] = str(models.target.device)
+    dtype_note = describe_dtype(dtype, models.target.device)
+    alt_target = None
+    dtypes = {"plain": dtype_name(models.target.dtype)}
+    if "plain-alt" in methods:
+        alt_dtype = other_dtype(models.target.dtype)
+        alt_target = load_bench_target(target, alt_dtype)[0].to(models.target.device)
+        dtypes["plain-alt"] = dtype_name(alt_dtype)
     models.drafter.block_size_policy = parse_block_size_policy(block_size_policy, models.drafter.config.block_size)
     print(
-        f"Target: {target} ({dtype}, {models.target.device}). Drafter: {models.drafter_description}.\n"
+        f"Target: {target} ({dtype_note}, {models.target.device}). Drafter: {models.drafter_description}.\n"
         f"Sets: " + ", ".join(f"{name} ({len(records)})" for name, records in prompt_sets.items())
         + f"; methods {', '.join(methods)}, interleaved per prompt; max {max_new_tokens} new tokens, "
         + ("greedy." if temperature <= 0 else f"sampling at temperature {temperature} (seed {seed}).")
@@ -83,13 +102,16 @@ def run_bench(
         temperature=temperature,
         seed=seed,
         progress=progress,
+        alt_target=alt_target,
     )
     settings = {
         "target": target,
         "drafter": models.drafter_description,
         "block_size": models.drafter.config.block_size,
         "block_size_policy": block_size_policy,  # our DFlash method only (the built-in loop uses block_size)
-        "dtype": dtype,
+        "dtype": dtype_name(models.target.dtype),
+        "dtype_choice": dtype_note,
+        "dtypes": dtypes,  # per plain method; every other method runs in "dtype"
         "device": options["device"],
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,

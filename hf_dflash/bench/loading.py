@@ -11,7 +11,8 @@ import transformers
 
 from ..checkpoints import load_drafter
 from ..modeling_dflash import DFlashConfig, DFlashDraftModel
-from ..models import load_any_target, resolve_dtype
+from ..dtypes import AUTO, cpu_flags, resolve_dtype
+from ..models import load_any_target
 
 __all__ = ["RANDOM_DRAFTER", "BenchModels", "load_bench_models", "machine_description", "random_drafter"]
 
@@ -51,12 +52,13 @@ def load_bench_target(name: str, dtype: torch.dtype):
 
 
 def load_bench_models(
-    target: str, drafter: str, dtype: torch.dtype | str = torch.bfloat16, device: str | None = None, seed: int = 0
+    target: str, drafter: str, dtype: torch.dtype | str = AUTO, device: str | None = None, seed: int = 0
 ) -> BenchModels:
     """Load the target in `dtype` on `device` (default: CUDA when available) and the drafter cast to the same
-    dtype: a checkpoint folder in either format (`load_drafter`), or "random" for an untrained 3-layer drafter."""
-    dtype = resolve_dtype(dtype)
+    dtype: a checkpoint folder in either format (`load_drafter`), or "random" for an untrained 3-layer drafter.
+    `dtype="auto"` picks the fast dtype for the device (`hf_dflash.dtypes.choose_dtype`)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = resolve_dtype(dtype, device)
     model, tokenizer = load_bench_target(target, dtype)
     model.to(device)
     if drafter == RANDOM_DRAFTER:
@@ -80,10 +82,19 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _bf16_support() -> str:
+    """"native bf16: amx_bf16, avx512_bf16" or "no native bf16" (the flags decide dtype="auto")."""
+    flags = cpu_flags()
+    if flags is None:
+        return "CPU flags unreadable"
+    native = sorted(flag for flag in ("avx512_bf16", "amx_bf16", "bf16") if flag in flags)
+    return f"native bf16: {', '.join(native)}" if native else "no native bf16"
+
+
 def machine_description(device: torch.device) -> str:
     """E.g. "1x NVIDIA H200, torch 2.13.0, transformers 5.24.0" or "<CPU model>, 2 threads, torch ..."."""
     if device.type == "cuda":
         where = f"1x {torch.cuda.get_device_name(device)}"
     else:
-        where = f"{_cpu_name()}, {torch.get_num_threads()} threads"
+        where = f"{_cpu_name()} ({_bf16_support()}), {torch.get_num_threads()} threads"
     return f"{where}, torch {torch.__version__}, transformers {transformers.__version__}"

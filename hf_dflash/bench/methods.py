@@ -4,6 +4,8 @@
     dflash   target.generate(..., assistant_model=drafter)           this package's DFlash loop
     builtin  ... assistant_model=drafter, speculation_type="dflash"  Transformers' built-in DFlash loop
     lookup   ... prompt_lookup_num_tokens=10                         prompt-lookup decoding
+    plain-alt  plain decoding with the target in the OTHER dtype (bf16 <-> fp32): the baseline is the
+             faster plain decoding of the two, so no speed-up is bought with a slow baseline
 
 Acceptance lengths (tokens committed per verification round, bonus token included): our loop reports
 them in `drafter.last_acceptance`; for the other speculative methods they are read off the target's
@@ -23,6 +25,7 @@ import torch
 
 __all__ = [
     "METHODS",
+    "PLAIN_METHODS",
     "PROMPT_LOOKUP_NUM_TOKENS",
     "ForwardRecorder",
     "Generation",
@@ -31,7 +34,8 @@ __all__ = [
     "max_round_length",
 ]
 
-METHODS = ("plain", "dflash", "builtin", "lookup")
+METHODS = ("plain", "dflash", "builtin", "lookup", "plain-alt")
+PLAIN_METHODS = ("plain", "plain-alt")  # no drafting: the candidates for the baseline
 PROMPT_LOOKUP_NUM_TOKENS = 10
 
 
@@ -88,6 +92,7 @@ def method_kwargs(method: str, drafter: torch.nn.Module | None) -> dict:
         raise ValueError(f"Method {method!r} needs a drafter.")
     return {
         "plain": {},
+        "plain-alt": {},
         "dflash": {"assistant_model": drafter},
         "builtin": {"assistant_model": drafter, "speculation_type": "dflash"},
         "lookup": {"prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS},
@@ -96,7 +101,7 @@ def method_kwargs(method: str, drafter: torch.nn.Module | None) -> dict:
 
 def max_round_length(method: str, block_size: int) -> int:
     """The most tokens one verification round of `method` can commit (drafts + bonus)."""
-    return {"plain": 1, "dflash": block_size, "builtin": block_size, "lookup": PROMPT_LOOKUP_NUM_TOKENS + 1}[method]
+    return {"plain": 1, "plain-alt": 1, "dflash": block_size, "builtin": block_size, "lookup": PROMPT_LOOKUP_NUM_TOKENS + 1}[method]
 
 
 def _synchronize(device: torch.device) -> None:
@@ -119,7 +124,7 @@ def generate_with(
         sequences = target.generate(**inputs, **generation_kwargs, **method_kwargs(method, drafter))
         _synchronize(target.device)
         seconds = time.perf_counter() - start
-    if method == "plain":
+    if method in PLAIN_METHODS:
         lengths = None
     elif method == "dflash":
         lengths = list(drafter.last_acceptance.acceptance_lengths)

@@ -4,7 +4,8 @@
 
     {"command": "hf-dflash bench ...", "machine": "...", "settings": {...}, "methods": ["plain", ...],
      "sets": {name: {"n": prompts, "generations": answers per method (MT-Bench: 2 per prompt),
-                     "methods": {method: {"new_tokens", "seconds", "tok_s", "speedup" (vs plain),
+                     "baseline": the faster plain method ("plain" or "plain-alt", the other dtype),
+                     "methods": {method: {"new_tokens", "seconds", "tok_s", "speedup" (vs the baseline),
                                           "tau", "rounds", "histogram" (histogram[t-1] = rounds committing t),
                                           "identical" (vs plain greedy; null when not checked),
                                           "divergences" (answers that differ)}}}},
@@ -75,6 +76,8 @@ def _number(value: float | None, pattern: str) -> str:
 def _identical(stats: dict, method: str) -> str:
     if method == "plain":
         return "reference"
+    if method == "plain-alt":
+        return "not compared (other dtype)"
     if stats["identical"] is None:
         return "not checked"
     return "yes" if stats["identical"] else f"NO ({stats['divergences']} differ)"
@@ -97,7 +100,9 @@ def format_table(report: dict) -> str:
                     str(row["n"]) if position == 0 else "",
                     _number(stats["tau"], ".2f"),
                     _number(stats["tok_s"], ".1f"),
-                    _number(stats["speedup"], ".2f") + ("x" if stats["speedup"] is not None else ""),
+                    _number(stats["speedup"], ".2f")
+                    + ("x" if stats["speedup"] is not None else "")
+                    + (" (baseline)" if method == row.get("baseline") else ""),
                     _identical(stats, method),
                     _histogram(stats["histogram"]),
                 )
@@ -105,6 +110,12 @@ def format_table(report: dict) -> str:
     widths = [max(len(line[column]) for line in lines) for column in range(len(header))]
     text = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines]
     text.insert(1, "  ".join("-" * width for width in widths))
+    dtypes = report["settings"].get("dtypes") or {}
+    if dtypes:
+        text.append(
+            "dtypes: " + ", ".join(f"{method} {dtype}" for method, dtype in dtypes.items())
+            + "; speed-ups are against the faster plain decoding of each set (marked baseline)"
+        )
     for divergence in report["divergences"]:
         text.append(
             f"divergence: {divergence['set']} {divergence['prompt_id']} turn {divergence['turn']} "

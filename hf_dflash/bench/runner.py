@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .divergence import Divergence, first_divergence
-from .methods import METHODS, Generation, check_methods, generate_with
+from .methods import METHODS, PLAIN_METHODS, Generation, check_methods, generate_with
 
 __all__ = ["Sample", "chat_inputs", "compare_turn", "generation_settings", "rotated", "run_benchmark"]
 
@@ -72,7 +72,7 @@ def compare_turn(
     """One `Sample` per method of one turn; with `compare`, each checked token for token against plain."""
     samples = []
     for method, generation in generations.items():
-        checked = compare and method != "plain"
+        checked = compare and method not in PLAIN_METHODS  # plain-alt runs in another dtype: not comparable
         divergence = None
         if checked:
             divergence = first_divergence(target, generations["plain"].sequences, generation.sequences, prompt_length)
@@ -102,14 +102,22 @@ def run_benchmark(
     temperature: float = 0.0,
     seed: int = 0,
     progress: bool = True,
+    alt_target=None,
 ) -> list[Sample]:
     """Generate every turn of every prompt with every method; return one `Sample` per answer.
 
     Greedy (`temperature` 0): each answer is compared token for token with plain greedy, and the first
     difference is located with the target's top-2 logit gap there. Sampling: every method of a prompt
     starts from the same seed (`seed` + prompt index); outputs legitimately differ and are not compared.
+    `alt_target` (the same target in another dtype) runs the "plain-alt" method.
     """
     check_methods(methods)
+    if "plain-alt" in methods and alt_target is None:
+        raise ValueError("Method 'plain-alt' needs alt_target: the same target loaded in the other dtype.")
+
+    def model_for(method: str):
+        return alt_target if method == "plain-alt" else target
+
     settings = generation_settings(tokenizer, max_new_tokens, temperature)
     reference = "plain" if "plain" in methods else methods[0]  # whose reply the next turn follows
     compare = temperature <= 0 and "plain" in methods
@@ -128,12 +136,14 @@ def run_benchmark(
                 inputs = chat_inputs(tokenizer, history, target.device)
                 if not warm:  # the first calls pay one-time costs (allocations, kernel selection)
                     for method in methods:
-                        generate_with(method, target, drafter, inputs, {**settings, "max_new_tokens": WARMUP_TOKENS})
+                        generate_with(
+                            method, model_for(method), drafter, inputs, {**settings, "max_new_tokens": WARMUP_TOKENS}
+                        )
                     warm = True
                 generations = {}
                 for method in rotated(methods, index):
                     torch.manual_seed(seed + index)
-                    generations[method] = generate_with(method, target, drafter, inputs, settings)
+                    generations[method] = generate_with(method, model_for(method), drafter, inputs, settings)
                 generations = {method: generations[method] for method in methods}  # report in the requested order
                 prompt_length = inputs["input_ids"].shape[1]
                 turn = sum(message["role"] == "user" for message in history) - 1

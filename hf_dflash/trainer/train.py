@@ -2,7 +2,7 @@
 
 ```yaml
 target: smollm2-135m-instruct     # a known name (hf_dflash.models) or a local Transformers folder
-target_dtype: float32             # dtype of the frozen target (bfloat16 halves its memory)
+target_dtype: auto                # dtype of the frozen target (auto: bf16 where the hardware has it, else fp32)
 drafter:                          # DFlashConfig.from_target_config arguments, or init_from: FOLDER
   num_hidden_layers: 3
   num_target_features: 5
@@ -90,7 +90,7 @@ def train_from_config(config: dict, callbacks: list | None = None) -> DFlashTrai
     `callbacks` (`TrainerCallback`s) are added to the trainer's own."""
     # The card's base_model: the target as named in the config, not its cache folder.
     args = DFlashTrainingArguments(**{"target_name_or_path": config["target"], **config["training"]})
-    target, tokenizer = load_any_target(config["target"], config.get("target_dtype", "float32"))
+    target, tokenizer = load_any_target(config["target"], config.get("target_dtype", "auto"))
     drafter = build_drafter(config.get("drafter"), target, tokenizer, args.block_size)
     model = drafter
     if config.get("lora"):
