@@ -284,6 +284,11 @@ def official_config_dict(config: DFlashConfig, dtype: torch.dtype) -> dict:
             "transformers_version": transformers.__version__,
         }
     )
+    if config.draft_vocab_size is not None:
+        # As EAGLE-3 and vLLM speculators store a draft vocabulary: `draft_vocab_size` in the config and
+        # the d2t (draft index -> target id offset) / t2d (target id -> in the draft vocab) buffers in
+        # the weights. Engines whose DFlash path ignores them draft over the whole vocabulary (lossless).
+        out["draft_vocab_size"] = config.draft_vocab_size
     return out
 
 
@@ -351,6 +356,8 @@ def _dflash_config_from_official(config: dict, source: str) -> dict:
         target_layer_ids=list(dflash["target_layer_ids"]),
         tie_word_embeddings=False,
     )
+    if config.get("draft_vocab_size") is not None:
+        kwargs["draft_vocab_size"] = config["draft_vocab_size"]
     return kwargs
 
 
@@ -425,6 +432,10 @@ def load_official(
         model = DFlashDraftModel._from_config(config, **from_config_kwargs)
     _check_state_dict(state_dict, model.state_dict(), f"{folder}")
     model.load_state_dict(state_dict, strict=True)
+    try:
+        model.check_draft_vocab()
+    except ValueError as error:
+        raise ValueError(f"{folder}: {error}") from None
     if device is not None:
         model = model.to(device)
     return model.eval()

@@ -125,7 +125,7 @@ class BatchedDrafter:
             cache=self.cache,
         ).last_hidden_state
         self.cache.crop(-block_length)  # keep the context only; the next block replaces this one
-        return self.lm_head(hidden[:, 1 : 1 + num_drafts])
+        return self.drafter.draft_logits(hidden[:, 1 : 1 + num_drafts], self.lm_head)
 
     def prune(self, index: torch.LongTensor | None) -> None:
         """Keep the rows `index` (B',) (None: all) and compact the cache when its holes exceed the bound."""

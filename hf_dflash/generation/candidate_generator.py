@@ -133,7 +133,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
         ).last_hidden_state
         self.context_length, self.block_length = length - 1, block_length
 
-        logits = process_draft_logits(self.logits_processor, input_ids, self.lm_head(hidden[:, 1 : 1 + num_drafts]))
+        draft_logits = self.drafter.draft_logits(hidden[:, 1 : 1 + num_drafts], self.lm_head)  # (1, d, V)
+        logits = process_draft_logits(self.logits_processor, input_ids, draft_logits)
         if self.do_sample:
             probs = logits.softmax(-1)
             drafts = torch.multinomial(probs[0], 1).view(1, -1)

@@ -155,7 +155,7 @@ def measure_round_seconds(
                 noise_embeds=embedding(block), context_hidden_states=features[:, :k], position_ids=positions,
                 cache=draft_cache,
             ).last_hidden_state
-            lm_head(hidden[:, 1:]).max(-1)
+            drafter.draft_logits(hidden[:, 1:], lm_head).max(-1)
             draft_cache.crop(-2 * k)
         target(input_ids=token_ids[:, :k], use_cache=True, output_hidden_states=hidden_request, **{cache_name: cache})
         cache.crop(-k)

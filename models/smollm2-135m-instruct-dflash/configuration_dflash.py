@@ -63,6 +63,9 @@ class DFlashConfig(PreTrainedConfig):
         num_target_layers: number of decoder layers of the target.
         vocab_size: the target's embedding rows (the drafter borrows its embedding and LM head).
         target_hidden_size: the target's hidden size (defaults to `hidden_size`).
+        draft_vocab_size: None (default) drafts over the target's whole vocabulary; N drafts over N
+            target token ids only (the `d2t`/`t2d` buffers of the model say which, as in EAGLE-3 and
+            vLLM speculators), computing N rows of the target's LM head instead of all of them.
 
     The defaults describe a 5-layer drafter for Qwen3-8B (36 layers, hidden 4096).
     """
@@ -93,6 +96,7 @@ class DFlashConfig(PreTrainedConfig):
     mask_token_id: int | None = 151669
     num_target_layers: int = 36
     target_hidden_size: int | None = None
+    draft_vocab_size: int | None = None
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
@@ -144,6 +148,13 @@ class DFlashConfig(PreTrainedConfig):
             raise ValueError(
                 f"layer_types {self.layer_types} must list one of {LAYER_TYPES} for each of the "
                 f"{self.num_hidden_layers} layers."
+            )
+        if self.draft_vocab_size is not None and (
+            not isinstance(self.draft_vocab_size, int) or not 1 <= self.draft_vocab_size <= self.vocab_size
+        ):
+            raise ValueError(
+                f"draft_vocab_size={self.draft_vocab_size!r} must be an int in [1, vocab_size={self.vocab_size}] "
+                "(or None for the whole vocabulary)."
             )
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is not set.")

@@ -7,7 +7,8 @@ The drafter has no embedding and no LM head: it borrows the frozen target's. Eac
   noise_embeds           (B, q, H)   target embeddings of [anchor, MASK x (q-1)]
   context_hidden_states  (B, C, n*Ht) target hidden states h[i+1] for i in target_layer_ids,
                                       concatenated, for the C context tokens not yet in `cache`
-and returns `last_hidden_state` (B, q, H); logits = target_lm_head(last_hidden_state).
+and returns `last_hidden_state` (B, q, H); logits = `drafter.draft_logits(last_hidden_state, target_lm_head)`
+(= target_lm_head(last_hidden_state), or over the draft vocabulary only when `draft_vocab_size` is set).
 """
 
 import torch
@@ -147,7 +148,82 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         self.fc = nn.Linear(len(config.target_layer_ids) * config.target_hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
+        if config.draft_vocab_size is not None:
+            # EAGLE-3 / vLLM speculators convention: draft index i is target id i + d2t[i]; t2d marks the ids.
+            # Until `set_draft_vocab` is called the draft vocabulary is the first draft_vocab_size ids.
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+            t2d[: config.draft_vocab_size] = True
+            self.register_buffer("t2d", t2d)
+        self._draft_head = None  # (key, rows of the target LM head for the draft vocabulary)
         self.post_init()
+
+    @property
+    def draft_token_ids(self) -> torch.LongTensor | None:
+        """(N,) target ids of the draft vocabulary, ascending; None when drafting over the whole vocabulary."""
+        if self.config.draft_vocab_size is None:
+            return None
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
+    @torch.no_grad()
+    def set_draft_vocab(self, token_ids) -> None:
+        """Draft over these target token ids only (any order; stored ascending as `d2t`/`t2d`).
+
+        Raises:
+            ValueError: not `config.draft_vocab_size` distinct ids in [0, vocab_size).
+        """
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().unique()  # sorted
+        size, vocab = self.config.draft_vocab_size, self.config.vocab_size
+        if size is None:
+            raise ValueError("This drafter has draft_vocab_size=None (whole vocabulary); build it with draft_vocab_size=N.")
+        if len(ids) != torch.as_tensor(token_ids).numel() or len(ids) != size:
+            raise ValueError(f"set_draft_vocab needs {size} distinct token ids (draft_vocab_size), got {torch.as_tensor(token_ids).numel()} ({len(ids)} distinct).")
+        if ids[0] < 0 or ids[-1] >= vocab:
+            raise ValueError(f"Draft vocabulary ids must lie in [0, vocab_size={vocab}); got {int(ids[0])}..{int(ids[-1])}.")
+        self.d2t.copy_(ids.to(self.d2t.device) - torch.arange(size, device=self.d2t.device))
+        self.t2d.zero_()
+        self.t2d[ids.to(self.t2d.device)] = True
+        self._draft_head = None
+
+    def check_draft_vocab(self) -> None:
+        """ValueError unless `d2t`/`t2d` describe the same `draft_vocab_size` distinct ids of the vocabulary
+        (a corrupt or foreign checkpoint)."""
+        if self.config.draft_vocab_size is None:
+            return
+        ids = self.draft_token_ids
+        vocab = self.config.vocab_size
+        if bool((ids < 0).any()) or bool((ids >= vocab).any()):
+            raise ValueError(f"The draft vocabulary (d2t) maps outside the target vocabulary [0, {vocab}).")
+        if len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()):
+            raise ValueError("The draft vocabulary (d2t) is not strictly ascending: ids repeat or are out of order.")
+        if int(self.t2d.sum()) != len(ids) or not bool(self.t2d[ids].all()):
+            raise ValueError("The draft vocabulary buffers disagree: t2d does not mark exactly the ids of d2t.")
+
+    def draft_head_weight(self, lm_head: nn.Module) -> torch.Tensor:
+        """(N, H) rows of the target's LM head for the draft vocabulary (gathered once, then reused while
+        the head's weight is unchanged)."""
+        weight = lm_head.weight
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, self.d2t.data_ptr(), self.d2t._version)
+        if self._draft_head is None or self._draft_head[0] != key:
+            self._draft_head = (key, weight.detach().index_select(0, self.draft_token_ids.to(weight.device)))
+        return self._draft_head[1]
+
+    def draft_logits(self, hidden_states: torch.Tensor, lm_head: nn.Module, full_vocab: bool = True) -> torch.Tensor:
+        """Logits of the drafter's outputs (..., H) through the target's LM head.
+
+        Without a draft vocabulary: `lm_head(hidden_states)` (..., V). With one: only its N rows are
+        computed; `full_vocab=True` scatters them into (..., V) with -inf elsewhere (a proposal that
+        never drafts other ids: greedy and rejection sampling stay lossless), False returns (..., N).
+        """
+        if self.config.draft_vocab_size is None:
+            return lm_head(hidden_states)
+        weight = self.draft_head_weight(lm_head)
+        bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias[self.draft_token_ids.to(weight.device)]
+        logits = nn.functional.linear(hidden_states.to(weight.dtype), weight, bias)
+        if not full_vocab:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.draft_token_ids.to(logits.device), logits)
 
     def fuse_context(self, context_hidden_states: torch.Tensor) -> torch.Tensor:
         """(B, C, n*Ht) concatenated target features -> (B, C, H) fused context."""
@@ -213,8 +289,10 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         if problems:
             raise ValueError(
                 f"DFlash checkpoint {args[0] if args else ''} does not match DFlashDraftModel: {problems}. "
-                "Expected keys layers.{i}.*, norm.weight, fc.weight, hidden_norm.weight (no 'model.' prefix)."
+                "Expected keys layers.{i}.*, norm.weight, fc.weight, hidden_norm.weight (no 'model.' prefix)"
+                + (", d2t, t2d (draft_vocab_size is set)." if model.config.draft_vocab_size is not None else ".")
             )
+        model.check_draft_vocab()
         return (model, info) if wants_info else model
 
 
