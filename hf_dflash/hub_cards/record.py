@@ -106,6 +106,7 @@ class TrainingRecordCallback(TrainerCallback):
         num_samples, supervised_tokens: size of the tokenised training data (optional).
         datasets: Hub dataset ids for the card's `datasets` metadata (optional).
         hardware: free text, e.g. "1x NVIDIA H200" (optional).
+        draft_vocab: the pruned draft vocabulary's `draft_vocab_report` (optional).
     """
 
     def __init__(
@@ -115,12 +116,14 @@ class TrainingRecordCallback(TrainerCallback):
         supervised_tokens: int | None = None,
         datasets: list[str] | None = None,
         hardware: str | None = None,
+        draft_vocab: dict | None = None,
     ):
         optional = {
             "num_samples": num_samples,
             "supervised_tokens": supervised_tokens,
             "datasets": datasets,
             "hardware": hardware,
+            "draft_vocab": draft_vocab,
         }
         self.fixed = {"data_sources": dict(data_sources), **{k: v for k, v in optional.items() if v is not None}}
         # Check the caller's part now, not after hours of training.

@@ -51,6 +51,7 @@ RECORD_OPTIONAL = {
     "global_steps": int,
     "hardware": str,
     "final_metrics": dict,
+    "draft_vocab": dict,  # trainer.draft_vocab.draft_vocab_report: size, coverage, sizes per coverage
 }
 _JSON_TYPES = {str: "string", dict: "object", list: "array", int: "integer", float: "number", bool: "boolean"}
 

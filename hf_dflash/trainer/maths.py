@@ -140,20 +140,43 @@ def training_position_ids(block_positions: torch.LongTensor, seq_len: int) -> to
     return torch.cat([context, block_positions], dim=1)
 
 
+def target_to_draft_index(t2d: torch.BoolTensor) -> torch.LongTensor:
+    """(V,) the draft index of each target id (ids ascending), -1 for ids outside the draft vocabulary."""
+    index = t2d.long().cumsum(0) - 1
+    return index.masked_fill(~t2d, -1)
+
+
 def weighted_cross_entropy_sum(
-    hidden_states: torch.Tensor, lm_head: torch.nn.Module, labels: torch.LongTensor, weights: torch.Tensor
+    hidden_states: torch.Tensor,
+    lm_head: torch.nn.Module,
+    labels: torch.LongTensor,
+    weights: torch.Tensor,
+    draft_head: tuple[torch.Tensor, torch.LongTensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ w * CE over the positions with w > 0, computing the LM head only there.
 
     hidden_states (B, T, H) (after the drafter's final norm), labels / weights (B, T).
+    draft_head: for a pruned draft vocabulary, (weight (N, H): the LM-head rows of the N draft ids,
+        target_to_draft (V,): see `target_to_draft_index`); the softmax then runs over the N ids, and a
+        label outside them adds nothing to the loss (its weight still counts in the normaliser) and is
+        never correct.
     Returns (loss_sum scalar, correct (B, T) bool: argmax == label, False where w == 0).
     """
     selected = weights > 0
-    logits = lm_head(hidden_states[selected].to(lm_head.weight.dtype)).float()  # (N, V); the head may be bf16
     chosen = labels[selected]
-    loss_sum = (F.cross_entropy(logits, chosen, reduction="none") * weights[selected]).sum()
+    if draft_head is None:
+        logits = lm_head(hidden_states[selected].to(lm_head.weight.dtype)).float()  # (N, V); the head may be bf16
+        inside = torch.ones_like(chosen, dtype=torch.bool)
+    else:
+        weight, target_to_draft = draft_head
+        logits = F.linear(hidden_states[selected].to(weight.dtype), weight).float()  # (N, V')
+        chosen = target_to_draft[chosen]
+        inside = chosen >= 0
+        chosen = chosen.clamp_min(0)
+    losses = F.cross_entropy(logits, chosen, reduction="none") * inside
+    loss_sum = (losses * weights[selected]).sum()
     correct = torch.zeros_like(selected)
-    correct[selected] = logits.argmax(-1) == chosen
+    correct[selected] = (logits.argmax(-1) == chosen) & inside
     return loss_sum, correct
 
 

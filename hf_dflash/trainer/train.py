@@ -32,6 +32,7 @@ from ..modeling_dflash import DFlashConfig, DFlashDraftModel
 from ..models import load_any_target
 from .arguments import DFlashTrainingArguments
 from .datasets import TokenizedDataset
+from .draft_vocab import draft_vocab_report, select_draft_vocab, supervised_token_counts
 from .trainer import DFlashTrainer
 
 CONFIG_SECTIONS = {"target", "target_dtype", "drafter", "data", "lora", "training"}
@@ -85,6 +86,18 @@ def build_datasets(section: dict, args: DFlashTrainingArguments, drafter: DFlash
     return train, evaluation
 
 
+def choose_draft_vocab(drafter: DFlashDraftModel, train, target) -> dict:
+    """Set the drafter's draft vocabulary to the most frequent supervised tokens of `train` (EOS ids kept);
+    returns its `draft_vocab_report`."""
+    vocab_size = drafter.config.vocab_size
+    counts = supervised_token_counts((train[i] for i in range(len(train))), vocab_size)
+    eos = target.generation_config.eos_token_id if target.generation_config is not None else None
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    ids = select_draft_vocab(counts, drafter.config.draft_vocab_size, always=eos)
+    drafter.set_draft_vocab(ids)
+    return draft_vocab_report(counts, ids)
+
+
 def train_from_config(config: dict, callbacks: list | None = None) -> DFlashTrainer:
     """Run (or resume) a training described by a config dict; returns the finished trainer.
     `callbacks` (`TrainerCallback`s) are added to the trainer's own."""
@@ -98,7 +111,18 @@ def train_from_config(config: dict, callbacks: list | None = None) -> DFlashTrai
 
         model = get_peft_model(drafter, LoraConfig(**config["lora"]))
     train, evaluation = build_datasets(config["data"], args, drafter, target.get_input_embeddings().weight.shape[0])
-    record = TrainingRecordCallback(**training_data_record(Path(config["data"]["tokenized"]), len(train)))
+    draft_vocab = None
+    if drafter.config.draft_vocab_size is not None and not (config.get("drafter") or {}).get("init_from"):
+        draft_vocab = choose_draft_vocab(drafter, train, target)
+        print(
+            f"Draft vocabulary: {draft_vocab['draft_vocab_size']} ids cover {draft_vocab['coverage']:.2%} of the "
+            f"{draft_vocab['supervised_tokens']} supervised training tokens (sizes per coverage: "
+            f"{draft_vocab['size_for_coverage']})"
+        )
+    record = TrainingRecordCallback(
+        **training_data_record(Path(config["data"]["tokenized"]), len(train)),
+        **({"draft_vocab": draft_vocab} if draft_vocab else {}),
+    )
     trainer = DFlashTrainer(
         model, args, target=target, train_dataset=train, eval_dataset=evaluation, callbacks=[record, *(callbacks or [])]
     )

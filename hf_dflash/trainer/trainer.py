@@ -17,6 +17,7 @@ from .maths import (
     acceptance_estimate,
     build_training_block_mask,
     build_training_mask,
+    target_to_draft_index,
     training_position_ids,
     weighted_cross_entropy_sum,
 )
@@ -130,7 +131,13 @@ class DFlashTrainer(Trainer):
         features = self.target_features(inputs).to(next(drafter.parameters()).dtype)
         hidden = dflash_training_forward(model, self.target.get_input_embeddings(), inputs, features, drafter.config)
         weights = inputs["loss_weights"]
-        loss_sum, correct = weighted_cross_entropy_sum(hidden, self.target.get_output_embeddings(), inputs["labels"], weights)
+        lm_head = self.target.get_output_embeddings()
+        draft_head = None
+        if drafter.config.draft_vocab_size is not None:
+            draft_head = (drafter.draft_head_weight(lm_head), target_to_draft_index(drafter.t2d))
+            supervised = weights > 0
+            self._count("draft_vocab_miss", (supervised & ~drafter.t2d[inputs["labels"]]).sum(), supervised.sum())
+        loss_sum, correct = weighted_cross_entropy_sum(hidden, lm_head, inputs["labels"], weights, draft_head)
         normaliser = num_items_in_batch if num_items_in_batch is not None else weights.sum()
         loss = loss_sum / normaliser.clamp_min(1e-6)
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
@@ -165,6 +172,13 @@ class DFlashTrainer(Trainer):
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
 
+    def _count(self, name: str, hits: torch.Tensor, total: torch.Tensor) -> None:
+        """Accumulate a ratio metric (logged as hits / total, e.g. draft_vocab_miss)."""
+        split = "train" if self.model.training else "eval"
+        sums = self._metric_sums[split].setdefault("ratios", {})
+        previous = sums.get(name, torch.zeros(2))
+        sums[name] = previous + torch.stack([hits.detach().float().cpu(), total.detach().float().cpu()])
+
     def _accumulate_metrics(self, correct: torch.Tensor, supervised: torch.Tensor, block_size: int) -> None:
         split = "train" if self.model.training else "eval"
         right, seen, tau = acceptance_estimate(correct.detach(), supervised, block_size)
@@ -176,7 +190,12 @@ class DFlashTrainer(Trainer):
         """Add per-slot accuracy `acc_k` and `tau` accumulated since the last log (summed over processes)."""
         split = "eval" if any(key.startswith("eval_") for key in logs) else "train"
         sums = self._metric_sums[split]
-        if sums:
+        ratios = sums.pop("ratios", {})
+        for name, (hits, total) in ratios.items():
+            if self.args.world_size > 1:
+                hits, total = self.accelerator.reduce(torch.stack([hits, total]).to(self.args.device), reduction="sum").cpu()
+            logs[("eval_" if split == "eval" else "") + name] = round(float(hits / total.clamp_min(1)), 4)
+        if "correct" in sums:
             packed = torch.cat([sums["correct"], sums["supervised"], sums["tau"]]).to(self.args.device)
             packed = self.accelerator.reduce(packed, reduction="sum") if self.args.world_size > 1 else packed
             packed = packed.cpu()
