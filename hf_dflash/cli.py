@@ -410,6 +410,58 @@ def register_generate(subparsers) -> None:
     parser.set_defaults(func=_run_generate)
 
 
+def _run_pack_data(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from .data.packed import pack_tokenized
+    from .models import default_cache_dir, get_spec, load_target
+
+    settings = {}
+    for key, folder in (("regeneration", args.responses), ("tokenization", args.tokenized), ("corpus", args.corpus)):
+        if folder is None:
+            continue
+        config = Path(folder) / "config.json"
+        if not config.is_file():
+            raise ValueError(f"{config} does not exist: --{key if key != 'regeneration' else 'responses'} must be a "
+                             "folder written by hf-dflash prepare-data (it records its settings in config.json).")
+        settings[key] = json.loads(config.read_text())
+    if args.note:
+        settings["note"] = args.note
+    get_spec(args.target)
+    folder = default_cache_dir() / args.target
+    if not folder.is_dir():
+        load_target(args.target)  # converts the target once, which also writes its tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    manifest = pack_tokenized(args.tokenized, args.out, part=args.part, settings=settings, tokenizer=tokenizer,
+                              samples_per_shard=args.samples_per_shard)
+    totals = manifest["totals"]
+    print(f"{args.out}: {len(manifest['shards'])} shards, {totals.get('samples', 0)} samples, "
+          f"{totals.get('supervised_tokens', 0)} supervised tokens; per source {totals.get('per_source', {})}")
+    return 0
+
+
+def register_pack_data(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "pack-data",
+        help="pack tokenised shards into compact, versioned safetensors shards with a manifest (committable)",
+        description="Append the tokenized-*.jsonl shards of TOKENIZED not packed yet to OUT as part PART: uint16 "
+        "token ids + loss masks per shard, a manifest with the settings of each part, counts per source and "
+        "sha256 per shard. Training reads OUT directly (data.tokenized: OUT).",
+    )
+    parser.add_argument("--tokenized", required=True, help="folder of tokenized-*.jsonl (prepare-data's tokenized/)")
+    parser.add_argument("--out", required=True, help="packed folder (created, or appended to)")
+    parser.add_argument("--part", required=True, help="name of this regeneration run, e.g. regen-bf16-1")
+    parser.add_argument("--responses", default=None, help="the run's responses/ folder (its settings are recorded)")
+    parser.add_argument("--corpus", default=None, help="the run's corpus/ folder (its settings are recorded)")
+    parser.add_argument("--note", default=None, help="free text recorded with the part (machine, command)")
+    parser.add_argument("--target", default="smollm2-135m-instruct", help="the known target whose tokenizer made the ids")
+    parser.add_argument("--samples-per-shard", type=int, default=2048, help="samples per packed shard (default: 2048)")
+    parser.set_defaults(func=_run_pack_data)
+
+
 COMMANDS: list[Callable] = [
     register_convert,
     register_demo,
@@ -420,6 +472,7 @@ COMMANDS: list[Callable] = [
     register_push,
     register_bench,
     register_generate,
+    register_pack_data,
 ]
 
 

@@ -20,14 +20,15 @@ def read_json_object(path: str | os.PathLike, what: str) -> dict:
     return data
 
 
-def write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write `text` to `path` so that `path` is either absent/old or complete, never partial: a unique
+def write_atomic(path: str | os.PathLike, text: str | bytes) -> None:
+    """Write `text` (str, or bytes written as they are) to `path` so that `path` is either absent/old or complete, never partial: a unique
     hidden temporary sibling (concurrent writers do not collide), synced, then renamed over `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+        binary = isinstance(text, bytes)
+        with os.fdopen(handle, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as stream:
             stream.write(text)
             stream.flush()
             os.fsync(stream.fileno())

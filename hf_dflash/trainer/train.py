@@ -7,9 +7,11 @@ drafter:                          # DFlashConfig.from_target_config arguments, o
   num_hidden_layers: 3
   num_target_features: 5
 data:
-  tokenized: out/data/tokenized   # tokenized-*.jsonl shards (hf-dflash prepare-data)
+  tokenized: out/data/tokenized   # tokenized-*.jsonl shards (hf-dflash prepare-data), or a packed folder
   features: out/features          # cached features, used when training.feature_mode is offline
   eval_samples: 32                # held out from the end of the data for evaluation
+  max_train_samples: null         # optional: train on the first N samples only (learning curves)
+  parts: null                     # optional, packed folders: use only these parts
 lora: null                        # e.g. {r: 16, lora_alpha: 32, target_modules: [q_proj, v_proj]}
 training:                         # DFlashTrainingArguments fields
   output_dir: out/drafter
@@ -31,6 +33,7 @@ from ..hub_cards import TrainingRecordCallback, record_data_from_prepare_data
 from ..modeling_dflash import DFlashConfig, DFlashDraftModel
 from ..models import load_any_target
 from .arguments import DFlashTrainingArguments
+from ..data.packed import PackedDataset, is_packed, source_of
 from .datasets import TokenizedDataset
 from .draft_vocab import draft_vocab_report, select_draft_vocab, supervised_token_counts
 from .trainer import DFlashTrainer
@@ -76,12 +79,17 @@ def build_datasets(section: dict, args: DFlashTrainingArguments, drafter: DFlash
             section["features"], section["tokenized"],
             target_layer_ids=drafter.config.target_layer_ids, hidden_size=drafter.config.target_hidden_size,
         )
+    elif is_packed(section["tokenized"]):  # a packed folder (e.g. the repository's data/): token ids + masks
+        dataset = PackedDataset(section["tokenized"], vocab_size=vocab_size, parts=section.get("parts"))
     else:
         dataset = TokenizedDataset(section["tokenized"], vocab_size=vocab_size)
     held_out = int(section.get("eval_samples", 0))
     if held_out >= len(dataset):
         raise ValueError(f"data.eval_samples={held_out} leaves no training data (dataset has {len(dataset)} samples).")
-    train = Subset(dataset, range(len(dataset) - held_out))
+    # The held-out samples are the last ones; max_train_samples keeps the first N of the rest (learning curves).
+    available = len(dataset) - held_out
+    limit = section.get("max_train_samples")
+    train = Subset(dataset, range(available if limit is None else min(int(limit), available)))
     evaluation = Subset(dataset, range(len(dataset) - held_out, len(dataset))) if held_out else None
     return train, evaluation
 
@@ -120,7 +128,11 @@ def train_from_config(config: dict, callbacks: list | None = None) -> DFlashTrai
             f"{draft_vocab['size_for_coverage']})"
         )
     record = TrainingRecordCallback(
-        **training_data_record(Path(config["data"]["tokenized"]), len(train)),
+        **(
+            packed_data_record(train)
+            if is_packed(config["data"]["tokenized"]) and config["training"].get("feature_mode", "online") == "online"
+            else training_data_record(Path(config["data"]["tokenized"]), len(train))
+        ),
         **({"draft_vocab": draft_vocab} if draft_vocab else {}),
     )
     trainer = DFlashTrainer(
@@ -143,3 +155,14 @@ def training_data_record(tokenized: Path, num_samples: int) -> dict:
     if (tokenized.parent / "corpus" / "summary.json").is_file():
         return record_data_from_prepare_data(tokenized.parent)
     return {"data_sources": {tokenized.name: num_samples}, "num_samples": num_samples}
+
+
+def packed_data_record(train) -> dict:
+    """Per-source sample and supervised-token counts of the training split of a packed folder."""
+    sources: dict[str, int] = {}
+    supervised = 0
+    for index in range(len(train)):
+        item = train[index]
+        sources[source_of(item["id"])] = sources.get(source_of(item["id"]), 0) + 1
+        supervised += sum(item["loss_mask"])
+    return {"data_sources": dict(sorted(sources.items())), "num_samples": len(train), "supervised_tokens": supervised}

@@ -1,0 +1,235 @@
+"""Compact, versioned training data that can live in the repository: token ids, not text or features.
+
+A packed folder holds `manifest.json` and shards `shard-00000.safetensors`, ... Each shard stores the
+samples of some tokenised shards back to back:
+
+    input_ids  (T,)   uint16 (int32 when the vocabulary exceeds 65,536 ids)
+    loss_mask  (T,)   uint8, 1 on supervised (assistant) tokens
+    offsets    (N+1,) int64, sample i is [offsets[i], offsets[i+1])
+    metadata   {"ids": JSON list of the N sample ids}
+
+`manifest.json` records the format, the tokenizer (name, vocabulary size, chat template sha256), every
+*part* (one regeneration run: its generation settings and where it came from) and every shard (its part,
+the tokenised shards it holds, counts per source, sha256). Packing is incremental and atomic: a new run
+appends shards for the tokenised shards not packed yet, writes each shard under a temporary name, and
+rewrites the manifest last, so a killed run leaves the previous complete state.
+
+    >>> pack_tokenized("out/tok", "data/smollm2-135m-instruct", part="regen-bf16-1", settings={...}, tokenizer=tok)
+    >>> dataset = PackedDataset("data/smollm2-135m-instruct")   # {"id", "input_ids", "loss_mask"} items
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+from torch.utils.data import Dataset
+
+from ..json_files import write_atomic
+from .shards import read_jsonl
+
+__all__ = ["MANIFEST_NAME", "PACKED_FORMAT", "PackedDataset", "is_packed", "pack_tokenized", "read_manifest"]
+
+PACKED_FORMAT = "hf-dflash-packed-v1"
+MANIFEST_NAME = "manifest.json"
+
+
+def source_of(sample_id: str) -> str:
+    """The data source of a sample id ("gsm8k:12" -> "gsm8k")."""
+    return sample_id.split(":", 1)[0]
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def tokenizer_record(tokenizer) -> dict:
+    return {
+        "name": Path(tokenizer.name_or_path).name,
+        "vocab_size": len(tokenizer),
+        "chat_template_sha256": hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest(),
+    }
+
+
+def is_packed(folder: str | Path) -> bool:
+    return (Path(folder) / MANIFEST_NAME).is_file()
+
+
+def read_manifest(folder: str | Path) -> dict:
+    """The folder's manifest (ValueError naming the problem when missing, corrupt or of another format)."""
+    path = Path(folder) / MANIFEST_NAME
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{path} is missing: not a packed data folder (see hf_dflash.data.packed).") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is corrupt JSON ({error.msg}).") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != PACKED_FORMAT:
+        raise ValueError(f"{path} is not a {PACKED_FORMAT} manifest (format {manifest.get('format')!r}).")
+    return manifest
+
+
+def encode_shard(samples: list[dict], vocab_size: int) -> bytes:
+    """The safetensors bytes of one shard of `{"id", "input_ids", "loss_mask"}` samples."""
+    ids_dtype = torch.uint16 if vocab_size <= 1 << 16 else torch.int32
+    lengths = torch.tensor([len(sample["input_ids"]) for sample in samples], dtype=torch.long)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    input_ids = torch.tensor([t for sample in samples for t in sample["input_ids"]], dtype=torch.int32)
+    loss_mask = torch.tensor([m for sample in samples for m in sample["loss_mask"]], dtype=torch.uint8)
+    tensors = {"input_ids": input_ids.to(ids_dtype), "loss_mask": loss_mask, "offsets": offsets}
+    return save(tensors, metadata={"ids": json.dumps([sample["id"] for sample in samples])})
+
+
+def pack_tokenized(
+    tokenized_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    part: str,
+    settings: dict,
+    tokenizer,
+    samples_per_shard: int = 2048,
+) -> dict:
+    """Append the `tokenized-*.jsonl` shards of `tokenized_dir` not packed yet as part `part`; returns the manifest.
+
+    Args:
+        part: name of this regeneration run (e.g. "regen-bf16-1"); its `settings` (generation dtype,
+            max_new_tokens, corpus, ...) are recorded once and must not change on later calls.
+        samples_per_shard: samples per packed shard (the last one of a call may hold fewer).
+
+    Raises:
+        ValueError: another tokenizer than the folder's, changed settings for an existing part, or a sample
+            id packed already (from another tokenised shard or part).
+    """
+    tokenized_dir, out = Path(tokenized_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = tokenizer_record(tokenizer)
+    if is_packed(out):
+        manifest = read_manifest(out)
+        if manifest["tokenizer"] != tok:
+            raise ValueError(f"{out} was packed with tokenizer {manifest['tokenizer']}, not {tok}; use another folder.")
+    else:
+        manifest = {"format": PACKED_FORMAT, "tokenizer": tok, "parts": {}, "shards": [], "totals": {}}
+    recorded = manifest["parts"].get(part)
+    if recorded is not None and recorded["settings"] != json.loads(json.dumps(settings)):
+        raise ValueError(f"Part {part!r} of {out} was packed with other settings ({recorded['settings']}); name a new part.")
+    manifest["parts"].setdefault(part, {"settings": settings})
+    done = {(shard["part"], name) for shard in manifest["shards"] for name in shard["tokenized"]}
+    seen = {sample_id for sample_id in PackedDataset.ids_of(out, manifest)} if manifest["shards"] else set()
+    pending = [path for path in sorted(tokenized_dir.glob("tokenized-*.jsonl")) if (part, path.name) not in done]
+
+    batch, names = [], []
+
+    def flush() -> None:
+        if not batch:
+            return
+        index = len(manifest["shards"])
+        name = f"shard-{index:05d}.safetensors"
+        data = encode_shard(batch, tok["vocab_size"])
+        write_atomic(out / name, data)
+        per_source = Counter(source_of(sample["id"]) for sample in batch)
+        manifest["shards"].append(
+            {
+                "file": name,
+                "part": part,
+                "tokenized": list(names),
+                "samples": len(batch),
+                "tokens": sum(len(s["input_ids"]) for s in batch),
+                "supervised_tokens": sum(sum(s["loss_mask"]) for s in batch),
+                "per_source": dict(sorted(per_source.items())),
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }
+        )
+        manifest["totals"] = totals(manifest["shards"])
+        write_atomic(out / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")  # last: the commit point
+        batch.clear()
+        names.clear()
+
+    for path in pending:
+        for sample in read_jsonl(path):
+            if sample["id"] in seen:
+                raise ValueError(f"{path}: sample {sample['id']!r} is packed already in {out}; drop it or use another folder.")
+            seen.add(sample["id"])
+            batch.append(sample)
+        names.append(path.name)
+        if len(batch) >= samples_per_shard:
+            flush()
+    flush()
+    if not is_packed(out):
+        write_atomic(out / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def totals(shards: list[dict]) -> dict:
+    per_source: Counter = Counter()
+    for shard in shards:
+        per_source.update(shard["per_source"])
+    return {
+        "samples": sum(s["samples"] for s in shards),
+        "tokens": sum(s["tokens"] for s in shards),
+        "supervised_tokens": sum(s["supervised_tokens"] for s in shards),
+        "per_source": dict(sorted(per_source.items())),
+    }
+
+
+class PackedDataset(Dataset):
+    """The samples of a packed folder, in shard order: `{"id", "input_ids": list, "loss_mask": list}`.
+
+    Every shard's sha256 is checked against the manifest when the dataset is built (a corrupt or edited
+    shard is a ValueError naming it). `parts` keeps only the shards of those parts.
+    """
+
+    def __init__(self, folder: str | Path, vocab_size: int | None = None, parts: list[str] | None = None):
+        self.folder = Path(folder)
+        manifest = read_manifest(self.folder)
+        if vocab_size is not None and manifest["tokenizer"]["vocab_size"] > vocab_size:
+            raise ValueError(
+                f"{self.folder} holds token ids of a {manifest['tokenizer']['vocab_size']}-token vocabulary; the "
+                f"target has {vocab_size} embedding rows: wrong target?"
+            )
+        unknown = sorted(set(parts or ()) - set(manifest["parts"]))
+        if unknown:
+            raise ValueError(f"{self.folder} has no part(s) {unknown}; it has {sorted(manifest['parts'])}.")
+        self.samples: list[dict] = []
+        for shard in manifest["shards"]:
+            if parts is not None and shard["part"] not in parts:
+                continue
+            self.samples.extend(self.read_shard(self.folder / shard["file"], shard["sha256"]))
+
+    @staticmethod
+    def read_shard(path: Path, sha256: str) -> list[dict]:
+        if not path.is_file():
+            raise ValueError(f"{path} is listed in the manifest but missing.")
+        if sha256_of(path) != sha256:
+            raise ValueError(f"{path} does not match its sha256 in the manifest: corrupt or edited; restore it.")
+        with safe_open(str(path), framework="pt") as handle:
+            ids = json.loads(handle.metadata()["ids"])
+            input_ids = handle.get_tensor("input_ids").to(torch.long).tolist()
+            loss_mask = handle.get_tensor("loss_mask").tolist()
+            offsets = handle.get_tensor("offsets").tolist()
+        return [
+            {"id": sample_id, "input_ids": input_ids[start:end], "loss_mask": loss_mask[start:end]}
+            for sample_id, start, end in zip(ids, offsets[:-1], offsets[1:])
+        ]
+
+    @staticmethod
+    def ids_of(folder: Path, manifest: dict) -> list[str]:
+        found = []
+        for shard in manifest["shards"]:
+            with safe_open(str(folder / shard["file"]), framework="pt") as handle:
+                found += json.loads(handle.metadata()["ids"])
+        return found
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.samples[index]

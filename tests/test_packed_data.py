@@ -1,0 +1,80 @@
+"""Packed training data (token ids + loss masks in safetensors shards with a manifest)."""
+
+import json
+
+import pytest
+
+from hf_dflash.data.packed import MANIFEST_NAME, PackedDataset, pack_tokenized, read_manifest
+from tests.test_data import make_char_tokenizer
+from tests.test_train_config import run_config  # noqa: F401  (fixture)
+
+
+def write_tokenized(folder, name, samples):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text("".join(json.dumps(s) + "\n" for s in samples))
+
+
+def sample(i, source="gsm8k"):
+    return {"id": f"{source}:{i}", "input_ids": [1 + i, 70, 71, 2], "loss_mask": [0, 1, 1, 1]}
+
+
+SETTINGS = {"dtype": "bfloat16", "max_new_tokens": 384}
+
+
+def test_round_trip_incremental_and_counted(tmp_path):
+    tok = make_char_tokenizer()
+    tokenized = tmp_path / "tok"
+    write_tokenized(tokenized, "tokenized-00000.jsonl", [sample(i) for i in range(3)])
+    write_tokenized(tokenized, "tokenized-00001.jsonl", [sample(i, "math") for i in range(2)])
+    out = tmp_path / "packed"
+    manifest = pack_tokenized(tokenized, out, part="p1", settings=SETTINGS, tokenizer=tok, samples_per_shard=3)
+    assert [s["tokenized"] for s in manifest["shards"]] == [["tokenized-00000.jsonl"], ["tokenized-00001.jsonl"]]
+    assert manifest["totals"] == {"samples": 5, "tokens": 20, "supervised_tokens": 15, "per_source": {"gsm8k": 3, "math": 2}}
+    # a later run packs only what is new
+    write_tokenized(tokenized, "tokenized-00002.jsonl", [sample(i, "codeio") for i in range(1)])
+    manifest = pack_tokenized(tokenized, out, part="p1", settings=SETTINGS, tokenizer=tok, samples_per_shard=3)
+    assert len(manifest["shards"]) == 3 and manifest["totals"]["samples"] == 6
+    dataset = PackedDataset(out, vocab_size=len(tok))
+    assert [item["id"] for item in dataset] == [f"gsm8k:{i}" for i in range(3)] + ["math:0", "math:1", "codeio:0"]
+    assert dataset[1] == sample(1)
+    assert read_manifest(out)["parts"] == {"p1": {"settings": SETTINGS}}
+
+
+def test_refusals_name_the_problem(tmp_path):
+    tok = make_char_tokenizer()
+    tokenized = tmp_path / "tok"
+    write_tokenized(tokenized, "tokenized-00000.jsonl", [sample(0)])
+    out = tmp_path / "packed"
+    pack_tokenized(tokenized, out, part="p1", settings=SETTINGS, tokenizer=tok)
+    with pytest.raises(ValueError, match="other settings"):
+        pack_tokenized(tokenized, out, part="p1", settings={**SETTINGS, "dtype": "float32"}, tokenizer=tok)
+    with pytest.raises(ValueError, match="packed already"):
+        pack_tokenized(tokenized, out, part="p2", settings=SETTINGS, tokenizer=tok)
+    shard = out / "shard-00000.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1] + b"x")
+    with pytest.raises(ValueError, match="shard-00000.safetensors does not match its sha256"):
+        PackedDataset(out)
+    with pytest.raises(ValueError, match="no part"):
+        PackedDataset(out, parts=["nope"])
+    (out / MANIFEST_NAME).write_text("{")
+    with pytest.raises(ValueError, match="corrupt JSON"):
+        PackedDataset(out)
+
+
+def test_training_reads_a_packed_folder_with_a_sample_limit(tmp_path, run_config):  # noqa: F811
+    import yaml
+
+    from hf_dflash.trainer.train import load_train_config, train_from_config
+    from tests.test_trainer import samples
+
+    tokenized = tmp_path / "tok"
+    rows = [{"id": f"{'gsm8k' if i % 2 else 'math'}:{i}", **row} for i, row in enumerate(samples(count=8))]
+    write_tokenized(tokenized, "tokenized-00000.jsonl", rows)
+    pack_tokenized(tokenized, tmp_path / "packed", part="p1", settings=SETTINGS, tokenizer=make_char_tokenizer())
+    config = load_train_config(run_config)
+    config["data"] = {"tokenized": str(tmp_path / "packed"), "eval_samples": 2, "max_train_samples": 4}
+    config["training"].update(max_steps=1, eval_strategy="no", save_strategy="no")
+    trainer = train_from_config(config)
+    record = json.loads((tmp_path / "drafter" / "training_record.json").read_text())
+    assert record["num_samples"] == 4 and record["data_sources"] == {"gsm8k": 2, "math": 2}
+    assert len(trainer.train_dataset) == 4
