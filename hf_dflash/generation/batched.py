@@ -106,7 +106,7 @@ class BatchedDrafter:
 
         bonus (B,) the last committed token of each row; context (B, C, n*Ht) target features of the
         tokens committed since the last call, valid where context_mask (B, C) is 1.
-        Returns raw draft logits (B, num_drafts, V).
+        Returns the drafter outputs (B, num_drafts, H) of the draft slots (`logits` or `greedy_tokens` read them).
         """
         batch, device = bonus.shape[0], bonus.device
         past_mask = self.mask if self.mask is not None else context_mask[:, :0]
@@ -125,7 +125,15 @@ class BatchedDrafter:
             cache=self.cache,
         ).last_hidden_state
         self.cache.crop(-block_length)  # keep the context only; the next block replaces this one
-        return self.drafter.draft_logits(hidden[:, 1 : 1 + num_drafts], self.lm_head)
+        return hidden[:, 1 : 1 + num_drafts]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, d, V) draft logits of `draft`'s (B, d, H) outputs."""
+        return self.drafter.draft_logits(hidden, self.lm_head)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.LongTensor:
+        """(B, d) argmax drafts of `draft`'s outputs (no full-vocabulary logits with a pruned draft vocabulary)."""
+        return self.drafter.greedy_draft_tokens(hidden, self.lm_head)
 
     def prune(self, index: torch.LongTensor | None) -> None:
         """Keep the rows `index` (B',) (None: all) and compact the cache when its holes exceed the bound."""
@@ -312,14 +320,17 @@ def batched_dflash_decoding(
         num_drafts = max(0, min(block_length - 1, max(cap - lengths[row] - 1 for row in rows)))
         draft_probs = None
         if num_drafts:
-            draft_logits = drafter.draft(bonus, context, context_mask, num_drafts, block_length)
+            draft_hidden = drafter.draft(bonus, context, context_mask, num_drafts, block_length)
             context = None
-            draft_logits = process_drafts(logits_processor, draft_logits)
-            if do_sample:
-                draft_probs = draft_logits.softmax(-1)
-                drafts = torch.multinomial(draft_probs.flatten(0, 1), 1).view(len(rows), num_drafts)
+            if not do_sample and not logits_processor:
+                drafts = drafter.greedy_tokens(draft_hidden)
             else:
-                drafts = greedy_tokens(draft_logits)
+                draft_logits = process_drafts(logits_processor, drafter.logits(draft_hidden))
+                if do_sample:
+                    draft_probs = draft_logits.softmax(-1)
+                    drafts = torch.multinomial(draft_probs.flatten(0, 1), 1).view(len(rows), num_drafts)
+                else:
+                    drafts = greedy_tokens(draft_logits)
         else:
             drafts = bonus.new_empty(len(rows), 0)
 

@@ -99,7 +99,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
         """input_ids (1, L) ends with the bonus token the target has not consumed yet.
 
         Returns (1, L + d) candidates and their (1, d, V) draft probabilities when sampling
-        (processed draft logits when greedy), d = k - 1 for the k the controller chose, never past
+        (processed draft logits when greedy with logits processors, None without), d = k - 1 for the k
+        the controller chose, never past
         `max_length`; d = 0 (no drafter pass) returns input_ids and None.
         """
         length = input_ids.shape[1]
@@ -133,7 +134,10 @@ class DFlashCandidateGenerator(CandidateGenerator):
         ).last_hidden_state
         self.context_length, self.block_length = length - 1, block_length
 
-        draft_logits = self.drafter.draft_logits(hidden[:, 1 : 1 + num_drafts], self.lm_head)  # (1, d, V)
+        hidden = hidden[:, 1 : 1 + num_drafts]
+        if not self.do_sample and not self.logits_processor:  # plain greedy: no full-vocabulary logits needed
+            return torch.cat([input_ids, self.drafter.greedy_draft_tokens(hidden, self.lm_head)], dim=-1), None
+        draft_logits = self.drafter.draft_logits(hidden, self.lm_head)  # (1, d, V)
         logits = process_draft_logits(self.logits_processor, input_ids, draft_logits)
         if self.do_sample:
             probs = logits.softmax(-1)

@@ -208,6 +208,12 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             self._draft_head = (key, weight.detach().index_select(0, self.draft_token_ids.to(weight.device)))
         return self._draft_head[1]
 
+    def greedy_draft_tokens(self, hidden_states: torch.Tensor, lm_head: nn.Module) -> torch.LongTensor:
+        """(...) target ids of the argmax drafts (first index on ties), without building full-vocabulary logits."""
+        logits = self.draft_logits(hidden_states, lm_head, full_vocab=False)
+        best = logits.max(-1).indices
+        return best if self.config.draft_vocab_size is None else self.draft_token_ids.to(best.device)[best]
+
     def draft_logits(self, hidden_states: torch.Tensor, lm_head: nn.Module, full_vocab: bool = True) -> torch.Tensor:
         """Logits of the drafter's outputs (..., H) through the target's LM head.
 
