@@ -375,8 +375,9 @@ def register_bench(subparsers) -> None:
     )
     parser.add_argument("--device", default=None, help="e.g. cpu, cuda:0 (default: cuda when available, else cpu)")
     parser.add_argument(
-        "--block-size-policy", default="trained",
-        help="our DFlash method's block length per round: 'trained' (default), 'adaptive', or a fixed k",
+        "--block-size-policy", default="recommended",
+        help="our DFlash method's block length per round: 'recommended' (default: the drafter config's "
+        "block_size_policy, else its block size), 'trained' (its block size), 'adaptive', or a fixed k",
     )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=_run_bench)
@@ -404,8 +405,9 @@ def register_generate(subparsers) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer (default: 256)")
     _add_dtype_argument(parser, "target and drafter dtype")
     parser.add_argument(
-        "--block-size-policy", default="trained",
-        help="block length per round: 'trained' (the drafter's block size, default), 'adaptive', or a fixed k",
+        "--block-size-policy", default="recommended",
+        help="block length per round: 'recommended' (default: the drafter config's block_size_policy, else "
+        "its block size), 'trained' (its block size), 'adaptive', or a fixed k",
     )  # fmt: skip
     parser.set_defaults(func=_run_generate)
 

@@ -496,9 +496,32 @@ def test_single_prompt_sampling_with_random_schedule_runs_every_block_length():
 
 
 def test_command_line_policies_parse_and_bad_ones_name_the_fix():
-    assert parse_block_size_policy("trained", 16) is None
+    assert parse_block_size_policy("recommended", 16) is None
+    assert parse_block_size_policy("trained", 16) == 16
     assert parse_block_size_policy("adaptive", 16) == "adaptive"
     assert parse_block_size_policy("8", 16) == 8 and parse_block_size_policy("1", 16) == 1
     for bad in ("17", "0", "-3", "fast", "8.0"):
-        with pytest.raises(ValueError, match=r"'trained'.*'adaptive'.*1 <= k <= 16"):
+        with pytest.raises(ValueError, match=r"'recommended'.*'trained'.*'adaptive'.*1 <= k <= 16"):
             parse_block_size_policy(bad, 16)
+
+
+def test_a_drafter_config_carries_a_recommended_policy(tmp_path):
+    """config.block_size_policy is the default; drafter.block_size_policy overrides it; both survive saving."""
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=6, block_size_policy=3)
+    drafter.save_pretrained(tmp_path / "drafter")
+    loaded = type(drafter).from_pretrained(tmp_path / "drafter")
+    assert loaded.config.block_size_policy == 3
+    prompt = torch.tensor([[5, 17, 33, 9]])
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=12, eos_token_id=None)
+    assert torch.equal(target.generate(prompt, do_sample=False, max_new_tokens=12, eos_token_id=None, assistant_model=loaded), plain)
+    assert set(loaded.last_acceptance.block_sizes[:-1]) == {3}
+    loaded.block_size_policy = 6  # the user's setting wins
+    target.generate(prompt, do_sample=False, max_new_tokens=12, eos_token_id=None, assistant_model=loaded)
+    assert loaded.last_acceptance.block_sizes[0] == 6
+
+
+@pytest.mark.parametrize("bad", [1, 7, "fast", 2.0, True])
+def test_a_bad_recommended_policy_is_named(bad):
+    with pytest.raises(ValueError, match=f"block_size_policy={bad!r} must be None"):
+        make_drafter(make_target("llama"), block_size=6, block_size_policy=bad)

@@ -26,7 +26,8 @@ PROMPTS = [
     {"messages": [{"role": "user", "content": "Name a prime."}, {"role": "assistant", "content": "7"},
                   {"role": "user", "content": "And another one?"}]},  # two turns, as MT-Bench
 ]
-METHOD_FIELDS = {"new_tokens", "seconds", "tok_s", "speedup", "tau", "rounds", "histogram", "identical", "divergences"}
+METHOD_FIELDS = {"new_tokens", "seconds", "tok_s", "speedup", "tau", "rounds", "histogram", "mean_block", "identical",
+                 "divergences"}
 
 
 @pytest.fixture(scope="module")

@@ -46,6 +46,7 @@ class Generation:
     sequences: torch.LongTensor  # (1, prompt_length + new_tokens)
     seconds: float
     acceptance_lengths: list[int] | None  # tokens committed per round; None for plain decoding
+    block_sizes: list[int] | None = None  # our DFlash loop: the block length k of every round
 
 
 class ForwardRecorder:
@@ -128,8 +129,14 @@ def generate_with(
         lengths = None
     elif method == "dflash":
         lengths = list(drafter.last_acceptance.acceptance_lengths)
+        block_sizes = list(drafter.last_acceptance.block_sizes)
     else:
         lengths = recorder.committed_per_forward(prompt_length, sequences.shape[1])
         if method == "builtin":
             lengths = lengths[1:]  # the prefill only produces the drafter's context features
-    return Generation(sequences=sequences, seconds=seconds, acceptance_lengths=lengths)
+    return Generation(
+        sequences=sequences,
+        seconds=seconds,
+        acceptance_lengths=lengths,
+        block_sizes=block_sizes if method == "dflash" else None,
+    )

@@ -7,6 +7,7 @@
                      "baseline": the faster plain method ("plain" or "plain-alt", the other dtype),
                      "methods": {method: {"new_tokens", "seconds", "tok_s", "speedup" (vs the baseline),
                                           "tau", "rounds", "histogram" (histogram[t-1] = rounds committing t),
+                                          "mean_block" (our loop: mean block length k the policy chose),
                                           "identical" (vs plain greedy; null when not checked),
                                           "divergences" (answers that differ)}}}},
      "overall": {same as one set, over all of them},
@@ -89,7 +90,7 @@ def _histogram(counts: list[int] | None) -> str:
 
 def format_table(report: dict) -> str:
     """A plain-text table: one line per set and method, then every divergence."""
-    header = ("set", "method", "n", "τ", "tok/s", "speedup", "identical", "rounds by length (t:count)")
+    header = ("set", "method", "n", "τ", "mean k", "tok/s", "speedup", "identical", "rounds by length (t:count)")
     lines = [header]
     for name, row in {**report["sets"], OVERALL: report[OVERALL]}.items():
         for position, (method, stats) in enumerate(row["methods"].items()):
@@ -99,6 +100,7 @@ def format_table(report: dict) -> str:
                     method,
                     str(row["n"]) if position == 0 else "",
                     _number(stats["tau"], ".2f"),
+                    _number(stats.get("mean_block"), ".1f"),
                     _number(stats["tok_s"], ".1f"),
                     _number(stats["speedup"], ".2f")
                     + ("x" if stats["speedup"] is not None else "")

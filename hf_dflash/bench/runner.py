@@ -37,6 +37,7 @@ class Sample:
     new_tokens: int
     seconds: float
     acceptance_lengths: list[int] | None  # per verification round; None for plain decoding
+    block_sizes: list[int] | None  # our DFlash loop: block length k of every round (policy's choice)
     identical: bool | None  # equals plain greedy; None for plain itself and when sampling
     divergence: Divergence | None  # where it first differs from plain greedy (when not identical)
 
@@ -84,6 +85,7 @@ def compare_turn(
                 new_tokens=generation.sequences.shape[1] - prompt_length,
                 seconds=generation.seconds,
                 acceptance_lengths=generation.acceptance_lengths,
+                block_sizes=generation.block_sizes,
                 identical=(divergence is None) if checked else None,
                 divergence=divergence,
             )

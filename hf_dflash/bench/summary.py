@@ -38,9 +38,13 @@ def summarize_method(samples: list[Sample], method: str, block_size: int, plain_
         "tau": None,
         "rounds": None,
         "histogram": None,
+        "mean_block": None,
         "identical": all(checked) if checked else None,
         "divergences": checked.count(False),
     }
+    blocks = [k for sample in mine for k in (sample.block_sizes or [])]
+    if blocks:
+        summary["mean_block"] = sum(blocks) / len(blocks)  # the block length the policy chose, on average
     if method not in PLAIN_METHODS:
         lengths = [length for sample in mine for length in sample.acceptance_lengths]
         summary |= {

@@ -213,14 +213,17 @@ def is_block_size(k, max_block_size: int) -> bool:
 def block_size_controller(
     drafter: DFlashDraftModel, target: PreTrainedModel, batch_size: int
 ) -> BlockSizeController:
-    """The controller for one `generate` call from `drafter.block_size_policy` (unset: fixed B).
+    """The controller for one `generate` call from `drafter.block_size_policy`; unset, the policy the
+    drafter's config recommends (`DFlashConfig.block_size_policy`); neither: fixed B.
 
     Accepted policies: None (the trained block size B), an int 1 <= k <= B, "adaptive", an
     `AdaptiveBlockSize`, or a callable round_index -> k. Anything else raises ValueError.
     """
     max_block_size = drafter.config.block_size
-    # An optional user setting on our own model class, not state: unset means the default.
+    # An optional user setting on our own model class, not state: unset means the config's recommendation.
     policy = getattr(drafter, POLICY_ATTRIBUTE, None)
+    if policy is None:
+        policy = getattr(drafter.config, "block_size_policy", None)
     if policy is None:
         return FixedBlockSize(max_block_size)
     if isinstance(policy, str) and policy == "adaptive":
@@ -239,15 +242,18 @@ def block_size_controller(
 
 
 def parse_block_size_policy(text: str, max_block_size: int) -> str | int | None:
-    """A command-line policy: "trained" (None: block size B), "adaptive", or an int 1 <= k <= B;
-    ValueError naming the value otherwise."""
-    if text == "trained":
+    """A command-line policy: "recommended" (None: the drafter config's `block_size_policy`, else B),
+    "trained" (B), "adaptive", or an int 1 <= k <= B; ValueError naming the value otherwise."""
+    if text == "recommended":
         return None
+    if text == "trained":
+        return max_block_size
     if text == "adaptive":
         return "adaptive"
     if text.isdigit() and is_block_size(int(text), max_block_size):
         return int(text)
     raise ValueError(
-        f"block size policy {text!r}: use 'trained' (the drafter's block size {max_block_size}), 'adaptive', "
+        f"block size policy {text!r}: use 'recommended' (the drafter config's), 'trained' (the drafter's block "
+        f"size {max_block_size}), 'adaptive', "
         f"or a block length k with 1 <= k <= {max_block_size}."
     )

@@ -66,6 +66,10 @@ class DFlashConfig(PreTrainedConfig):
         draft_vocab_size: None (default) drafts over the target's whole vocabulary; N drafts over N
             target token ids only (the `d2t`/`t2d` buffers of the model say which, as in EAGLE-3 and
             vLLM speculators), computing N rows of the target's LM head instead of all of them.
+        block_size_policy: the block length per round the drafter's publisher recommends (what hf_dflash's
+            loop uses unless `drafter.block_size_policy` is set): None (the trained `block_size`),
+            "adaptive" (chosen each round from acceptance and the measured cost of this machine), or a
+            fixed k with 2 <= k <= block_size. Other loaders ignore it.
 
     The defaults describe a 5-layer drafter for Qwen3-8B (36 layers, hidden 4096).
     """
@@ -97,6 +101,7 @@ class DFlashConfig(PreTrainedConfig):
     num_target_layers: int = 36
     target_hidden_size: int | None = None
     draft_vocab_size: int | None = None
+    block_size_policy: str | int | None = None
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
@@ -155,6 +160,13 @@ class DFlashConfig(PreTrainedConfig):
             raise ValueError(
                 f"draft_vocab_size={self.draft_vocab_size!r} must be an int in [1, vocab_size={self.vocab_size}] "
                 "(or None for the whole vocabulary)."
+            )
+        policy = self.block_size_policy
+        fixed = isinstance(policy, int) and not isinstance(policy, bool) and 2 <= policy <= self.block_size
+        if policy is not None and policy != "adaptive" and not fixed:
+            raise ValueError(
+                f"block_size_policy={policy!r} must be None (the trained block size), 'adaptive', or an int k "
+                f"with 2 <= k <= block_size={self.block_size}."
             )
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is not set.")
