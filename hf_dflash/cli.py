@@ -15,8 +15,11 @@ from collections.abc import Callable, Sequence
 def _run_convert(args: argparse.Namespace) -> int:
     from .checkpoints import convert
 
-    out = convert(args.src, args.dst, to=args.to, dtype=args.dtype)
-    print(f"Wrote {args.to} DFlash checkpoint to {out}")
+    out = convert(
+        args.src, args.dst, to=args.to, dtype=args.dtype, overwrite=args.overwrite,
+        num_target_layers=args.num_target_layers,
+    )  # fmt: skip
+    print(f"Wrote {args.to} DFlash checkpoint to {out}" + (" (replaced the whole folder)" if args.overwrite else ""))
     return 0
 
 
@@ -24,14 +27,21 @@ def register_convert(subparsers) -> None:
     parser = subparsers.add_parser(
         "convert",
         help="convert a drafter checkpoint between the Hub-native and official (vLLM/SGLang) formats",
-        description="Convert a DFlash drafter checkpoint (either format, local folder or Hub repo id) to "
-        "the Hub-native format (model_type 'dflash', remote code) or the official format "
-        "(model_type 'qwen3' + dflash_config, served by vLLM/SGLang).",
+        description="Convert a DFlash drafter checkpoint (Hub-native, official or vLLM speculators; local folder "
+        "or Hub repo id) to the Hub-native format (model_type 'dflash', remote code) or the official format "
+        "(model_type 'qwen3' + dflash_config, served by vLLM/SGLang). DST must be new or empty unless --overwrite.",
     )
     parser.add_argument("src", help="source checkpoint folder (or Hub repo id)")
-    parser.add_argument("dst", help="destination folder")
+    parser.add_argument("dst", help="destination folder (new or empty)")
     parser.add_argument("--to", required=True, choices=("official", "hub"), help="output format")
     parser.add_argument("--dtype", default=None, help="cast weights, e.g. bfloat16 (default: keep)")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace a non-empty DST entirely (no stale files are kept)"
+    )
+    parser.add_argument(
+        "--num-target-layers", type=int, default=None,
+        help="the target's decoder layers, for a vLLM speculators source (it does not record them)",
+    )  # fmt: skip
     parser.set_defaults(func=_run_convert)
 
 

@@ -190,10 +190,12 @@ def test_exported_folder(exported, drafter_dir, remote_process):
 
 def test_official_subfolder_loads(exported, drafter_dir):
     official = exported / "official"
-    assert {p.name for p in official.iterdir()} == {"config.json", "model.safetensors"}
+    assert {p.name for p in official.iterdir()} == {
+        "config.json", "model.safetensors", "configuration_dflash.py", "modeling_dflash.py"
+    }  # remote code: AutoModel.from_pretrained(that_folder, trust_remote_code=True) is the drafter
     assert detect_format(official) == "official"
     config = json.loads((official / "config.json").read_text())
-    assert config["model_type"] == "qwen3"
+    assert config["model_type"] == "qwen3" and config["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
     assert config["dflash_config"] == {"mask_token_id": 127, "target_layer_ids": [1, 3], "block_size": 4}
     loaded, reference = load_drafter(official), load_drafter(drafter_dir)
     assert isinstance(loaded, DFlashDraftModel)
