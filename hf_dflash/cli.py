@@ -210,7 +210,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from .trainer.train import load_train_config, train_from_config
 
     trainer = train_from_config(load_train_config(args.config))
-    if trainer.is_world_process_zero():
+    if trainer is not None and trainer.is_world_process_zero():
         print(f"Saved the trained drafter to {trainer.args.output_dir}")
     return 0
 
