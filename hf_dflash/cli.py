@@ -12,6 +12,28 @@ import sys
 from collections.abc import Callable, Sequence
 
 
+def _non_negative_float(text: str) -> float:
+    """argparse type: a float >= 0 (a temperature)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = greedy), got {text}")
+    return value
+
+
+def _device(text: str) -> str:
+    """argparse type: a torch device this machine has (`models.resolve_device`)."""
+    from .models import resolve_device
+
+    try:
+        resolve_device(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 def _run_convert(args: argparse.Namespace) -> int:
     from .checkpoints import convert
 
@@ -164,6 +186,15 @@ def _run_prepare_data(args: argparse.Namespace) -> int:
         f"{tokenized.get('too_few_supervised', 0)} dropped with < {tokenized['min_supervised_tokens']}) "
         f"to {args.out}/tokenized"
     )
+    if not tokenized.get("kept"):
+        conversations = tokenized.get("conversations", 0)
+        why = (
+            f"all {conversations} replies had fewer than {tokenized['min_supervised_tokens']} supervised tokens "
+            f"(2 x --block-size {args.block_size}): raise --max-new-tokens or lower --block-size"
+            if conversations
+            else "no prompt reached the regeneration stage: check --sources/--prompts and the corpus summary"
+        )
+        raise ValueError(f"prepare-data ended with 0 training samples in {args.out}/tokenized; {why}.")
     return 0
 
 
@@ -195,7 +226,7 @@ def register_prepare_data(subparsers) -> None:
         choices=("bfloat16", "float32"),
         help="target dtype for generation (default: %(default)s)",
     )
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), > 0 samples")
+    parser.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy (default), > 0 samples")
     parser.add_argument("--max-new-tokens", type=int, default=512, help="reply length limit (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (default: %(default)s)")
     parser.add_argument("--shard-size", type=int, default=128, help="prompts per response shard (default: %(default)s)")
@@ -355,8 +386,9 @@ def register_bench(subparsers) -> None:
         "--prompts", default=None, help='your JSONL prompts: {"prompt": str} or {"messages": [...]} per line'
     )
     parser.add_argument(
-        "--num-prompts", type=int, default=8, help="prompts sampled per set with the seed, 0 = all (default: 8)"
-    )
+        "--num-prompts", type=int, default=None,
+        help="prompts sampled per set with the seed, 0 = all (default: 8 per built-in set, every prompt of --prompts)",
+    )  # fmt: skip
     parser.add_argument("--max-new-tokens", type=int, default=256, help="per answer (turn) (default: %(default)s)")
     parser.add_argument(
         "--dtype",
@@ -365,7 +397,8 @@ def register_bench(subparsers) -> None:
         help="target and drafter dtype (default: %(default)s; float32 is token-exact, bfloat16 may flip near-ties)",
     )
     parser.add_argument(
-        "--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples (seeded, no identity check)"
+        "--temperature", type=_non_negative_float, default=0.0,
+        help="0 = greedy (default); > 0 samples (seeded, no identity check)",
     )
     parser.add_argument("--seed", type=int, default=0, help="prompt sampling, sampling and random drafter seed")
     parser.add_argument("--out", default="out/bench", help="output folder (default: %(default)s)")
@@ -375,7 +408,9 @@ def register_bench(subparsers) -> None:
         default=list(METHODS),
         help=f"comma-separated, from {','.join(METHODS)} (default: all)",
     )
-    parser.add_argument("--device", default=None, help="e.g. cpu, cuda:0 (default: cuda when available, else cpu)")
+    parser.add_argument(
+        "--device", type=_device, default=None, help="e.g. cpu, cuda:0 (default: cuda when available, else cpu)"
+    )
     parser.add_argument(
         "--block-size-policy", default="trained",
         help="our DFlash method's block length per round: 'trained' (default), 'adaptive', or a fixed k",
