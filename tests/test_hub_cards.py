@@ -396,11 +396,11 @@ def fake_hub(monkeypatch):
         calls.append(("create_repo", self.token, repo_id, kwargs))
         return f"https://huggingface.co/{repo_id}"
 
-    def upload_folder(self, **kwargs):
-        calls.append(("upload_folder", self.token, kwargs))
+    def create_commit(self, **kwargs):
+        calls.append(("create_commit", self.token, kwargs))
 
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
-    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    monkeypatch.setattr(HfApi, "create_commit", create_commit)
     return calls
 
 
@@ -412,9 +412,12 @@ def test_push_calls_the_hub_api(bare, tmp_path, fake_hub, monkeypatch, capsys):
     (_, token, repo_id, create_kwargs), (_, upload_token, upload_kwargs) = fake_hub
     assert token == upload_token == "hf_fake" and repo_id == REPO_ID
     assert create_kwargs["private"] is True and create_kwargs["exist_ok"] is True
-    assert upload_kwargs["repo_id"] == REPO_ID and Path(upload_kwargs["folder_path"]) == folder
-    card = (folder / "README.md").read_text()  # the snippets now name the real repo
+    assert upload_kwargs["repo_id"] == REPO_ID and upload_kwargs["repo_type"] == "model"
+    operations = {operation.path_in_repo: operation for operation in upload_kwargs["operations"]}
+    assert set(operations) == {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+    card = (folder / "README.md").read_text()  # the snippets now name the real repo, uploaded and on disk
     assert REPO_ID_PLACEHOLDER not in card and f'AutoModel.from_pretrained("{REPO_ID}"' in card
+    assert operations["README.md"].path_or_fileobj == card.encode("utf-8")
 
     fake_hub.clear()
     with pytest.warns(UserWarning, match="does not mention other-org/other-name"):
@@ -424,6 +427,36 @@ def test_push_calls_the_hub_api(bare, tmp_path, fake_hub, monkeypatch, capsys):
     assert main(["push", str(folder), "--repo-id", REPO_ID, "--public"]) == 0
     assert fake_hub[0][1] == "hf_from_env" and fake_hub[0][3]["private"] is False
     assert "public" in capsys.readouterr().out
+
+
+def folder_snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+
+
+def http_error(status: int):
+    import httpx2 as httpx  # huggingface_hub 2.x raises with httpx2 responses
+    from huggingface_hub.errors import HfHubHTTPError
+
+    response = httpx.Response(status, request=httpx.Request("POST", "https://huggingface.co/api/repos/create"))
+    return HfHubHTTPError(f"{status} Client Error: Unauthorized for url", response=response)
+
+
+@pytest.mark.parametrize("failing", ["create_repo", "upload"])
+def test_a_failed_push_leaves_the_folder_unchanged(bare, tmp_path, fake_hub, monkeypatch, capsys, failing):
+    """Issue #13 B9: a bad token (401) used to leave the card rewritten with the repo id."""
+    folder = Path(shutil.copytree(bare, tmp_path / "repo"))
+    before = folder_snapshot(folder)
+
+    def refuse(self, *args, **kwargs):
+        raise http_error(401)
+
+    monkeypatch.setattr(HfApi, "create_repo" if failing == "create_repo" else "create_commit", refuse)
+    with pytest.raises(ValueError, match=r"refused.*401.*hf auth login"):
+        push_folder(folder, REPO_ID, token="hf_bad")
+    assert main(["push", str(folder), "--repo-id", REPO_ID]) == 1
+    assert "hf-dflash push: error:" in capsys.readouterr().err
+    assert folder_snapshot(folder) == before
+    assert REPO_ID_PLACEHOLDER in (folder / "README.md").read_text()
 
 
 def test_push_without_token_explains_login(bare, tmp_path, fake_hub, monkeypatch):
