@@ -29,6 +29,7 @@ from hf_dflash.hub_cards import (
     load_training_record,
     push_folder,
     record_data_from_prepare_data,
+    render_model_card,
 )
 from hf_dflash.trainer import DFlashTrainingArguments
 from tests.conftest import make_drafter, make_target
@@ -302,6 +303,24 @@ def test_card_snippet_with_our_package(exported, target_dir, one_thread):
     plain = target.generate(**inputs, max_new_tokens=128, do_sample=False)
     assert torch.equal(namespace["out"], plain)
     assert plain.shape[1] - inputs["input_ids"].shape[1] >= 8
+
+
+@pytest.mark.parametrize(
+    "layers, expected",
+    [
+        (dict(), r"\| attention \| 2 full-attention layers: bidirectional inside the block, all context \|"),
+        (dict(layer_types=["sliding_attention", "full_attention"], sliding_window=64),
+         r"1 sliding-window layer \(window 64\): causal inside the block.*SpecForge.*sliding_window_non_causal: false"),
+        (dict(layer_types=["sliding_attention", "sliding_attention"], sliding_window=64, sliding_window_non_causal=True),
+         r"2 sliding-window layers \(window 64\): bidirectional inside the block.*sliding_window_non_causal: true"),
+    ],
+    ids=["full", "sliding_causal", "sliding_bidirectional"],
+)
+def test_card_states_the_attention_semantics(layers, expected):
+    """Issue #13 A5: serving engines differ on sliding layers; the card says which ones these weights need."""
+    drafter = make_drafter(make_target("llama"), **layers)
+    card = render_model_card(drafter.config, TARGET_ID)
+    assert re.search(expected, card.text), card.text
 
 
 def test_template_is_package_data():
