@@ -75,7 +75,7 @@ def refuse_foreign_dflash_drafter(assistant_model) -> None:
             f"assistant_model is a DFlash drafter built by other code ({cls.__module__}.{cls.__name__}); "
             "Transformers would run it as a plain autoregressive assistant. Load it with "
             f"hf_dflash.load_drafter({source!r}), or convert this object with "
-            "hf_dflash.checkpoints.drafter_from_model(assistant_model)."
+            "hf_dflash.drafter_from_model(assistant_model)."
         )
 
 
