@@ -9,7 +9,8 @@
   `dflash_config: {mask_token_id, target_layer_ids, block_size}`; the same weight keys. Like z-lab's
   releases it carries `auto_map: {"AutoModel": "modeling_dflash.DFlashDraftModel"}` and the two
   remote-code files, so `AutoModel.from_pretrained(dir, trust_remote_code=True)` gives the drafter
-  while `AutoConfig` (and every engine) still reads a `Qwen3Config`.
+  while `AutoConfig` (and engines reading the config through Transformers) still sees a `Qwen3Config`.
+* vLLM speculators ("speculators", load only): see `foreign_formats`.
 
 Both formats store exactly the drafter's state-dict keys (`layers.{i}.*`, `norm.weight`, `fc.weight`,
 `hidden_norm.weight`; no `model.` prefix, no embedding, no LM head).
