@@ -38,7 +38,6 @@ from ..json_files import write_json_atomic
 from ..modeling_dflash import DFlashConfig, DFlashDraftModel
 from ..models import load_any_target
 from .arguments import DFlashTrainingArguments
-from .config_schema import SECTIONS as CONFIG_SECTIONS
 from .config_schema import validate_train_config
 from .datasets import TokenizedDataset
 from .trainer import DFlashTrainer
