@@ -6,6 +6,7 @@ Importing this package registers `model_type="dflash"` with `AutoConfig`/`AutoMo
 
 from transformers import AutoConfig, AutoModel
 
+from .checkpoints import drafter_from_model, load_drafter
 from .generation import (
     AcceptanceStats,
     AdaptiveBlockSize,
@@ -35,4 +36,6 @@ __all__ = [
     "DFlashDraftModel",
     "DFlashGenerateOutput",
     "check_pairing",
+    "drafter_from_model",
+    "load_drafter",
 ]

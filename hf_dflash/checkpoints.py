@@ -6,7 +6,11 @@
   Loads with `AutoModel.from_pretrained(dir, trust_remote_code=True)` without this package.
 * Official / SpecForge / vLLM / SGLang ("official"): `config.json` with `model_type: "qwen3"`,
   `architectures: ["DFlashDraftModel"]`, Qwen3 decoder fields, `block_size`, `num_target_layers` and
-  `dflash_config: {mask_token_id, target_layer_ids, block_size}`; the same weight keys.
+  `dflash_config: {mask_token_id, target_layer_ids, block_size}`; the same weight keys. Like z-lab's
+  releases it carries `auto_map: {"AutoModel": "modeling_dflash.DFlashDraftModel"}` and the two
+  remote-code files, so `AutoModel.from_pretrained(dir, trust_remote_code=True)` gives the drafter
+  while `AutoConfig` (and engines reading the config through Transformers) still sees a `Qwen3Config`.
+* vLLM speculators ("speculators", load only): see `foreign_formats`.
 
 Both formats store exactly the drafter's state-dict keys (`layers.{i}.*`, `norm.weight`, `fc.weight`,
 `hidden_norm.weight`; no `model.` prefix, no embedding, no LM head).
@@ -18,6 +22,8 @@ import copy
 import json
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -25,8 +31,15 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from .foreign_formats import SPECULATORS_VERIFIER_COPIES, dflash_kwargs_from_speculators, is_speculators_config
 from .json_files import read_json_object
 from .modeling_dflash import DFlashConfig, DFlashDraftModel
+from .modeling_dflash import configuration_dflash as _configuration
+from .modeling_dflash.configuration_dflash import (
+    OFFICIAL_DECODER_FIELDS,
+    check_checkpoint_fields,
+    dflash_kwargs_from_official,
+)
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -36,39 +49,9 @@ HUB_AUTO_MAP = {
     "AutoConfig": "configuration_dflash.DFlashConfig",
     "AutoModel": "modeling_dflash.DFlashDraftModel",
 }
+OFFICIAL_AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 FORMATS = ("official", "hub")
 
-# Qwen3 decoder fields copied as-is between DFlashConfig and the official config.json.
-_DECODER_FIELDS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "hidden_act",
-    "rms_norm_eps",
-    "max_position_embeddings",
-    "initializer_range",
-    "attention_bias",
-    "attention_dropout",
-    "layer_types",
-    "sliding_window",
-    "vocab_size",
-    "num_target_layers",
-    "target_hidden_size",
-)
-_REQUIRED_OFFICIAL_FIELDS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "vocab_size",
-    "num_target_layers",
-)
-_ENGINE_FALLBACK_WARNING = (
-    "vLLM and SGLang would silently fall back to a default and acceptance would collapse with no error"
-)
 _HF_DFLASH_IMPORT = re.compile(r"^\s*(from|import)\s+hf_dflash\b", re.MULTILINE)
 
 
@@ -165,21 +148,6 @@ def _resolve_folder(path: str | os.PathLike, revision: str | None = None, token=
     return Path(downloaded)
 
 
-def _rope_parameters(config: dict) -> dict:
-    """rope_parameters from a Transformers >= 5 config, or from older rope_theta + rope_scaling."""
-    if isinstance(config.get("rope_parameters"), dict):
-        rope = dict(config["rope_parameters"])
-        if "full_attention" in rope and isinstance(rope["full_attention"], dict):
-            rope = dict(rope["full_attention"])
-    else:
-        rope = dict(config.get("rope_scaling") or {})
-        if "type" in rope:
-            rope.setdefault("rope_type", rope.pop("type"))
-    rope.setdefault("rope_type", "default")
-    rope.setdefault("rope_theta", float(config.get("rope_theta", 10_000.0)))
-    return rope
-
-
 # --------------------------------------------------------------------------------------------------
 # Hub-native format
 # --------------------------------------------------------------------------------------------------
@@ -263,8 +231,17 @@ def official_config_dict(config: DFlashConfig, dtype: torch.dtype) -> dict:
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     # Older engines read rope_theta + rope_scaling (None for plain RoPE).
     rope_scaling = None if scaling in ({}, {"rope_type": "default"}) else scaling
-    out = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3"}
-    out.update({field: getattr(config, field) for field in _DECODER_FIELDS})
+    out = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "auto_map": dict(OFFICIAL_AUTO_MAP)}
+    out.update({field: getattr(config, field) for field in OFFICIAL_DECODER_FIELDS})
+    dflash = {
+        "mask_token_id": config.mask_token_id,
+        "target_layer_ids": list(config.target_layer_ids),
+        "block_size": config.block_size,
+    }
+    if "sliding_attention" in config.layer_types:  # say which semantics the sliding layers were trained with
+        dflash["sliding_window_non_causal"] = config.sliding_window_non_causal
+        if config.sliding_window_non_causal:
+            out["is_causal"] = False  # z-lab's field for the same semantics
     out.update(
         {
             "layer_types": list(config.layer_types),
@@ -274,11 +251,7 @@ def official_config_dict(config: DFlashConfig, dtype: torch.dtype) -> dict:
             "rope_parameters": rope,
             "tie_word_embeddings": False,
             "block_size": config.block_size,
-            "dflash_config": {
-                "mask_token_id": config.mask_token_id,
-                "target_layer_ids": list(config.target_layer_ids),
-                "block_size": config.block_size,
-            },
+            "dflash_config": dflash,
             "dtype": _dtype_name(dtype),
             "torch_dtype": _dtype_name(dtype),
             "transformers_version": transformers.__version__,
@@ -298,8 +271,9 @@ def save_official(
     dtype: str | torch.dtype | None = None,
 ) -> Path:
     """Write the official / SpecForge / vLLM / SGLang format: `config.json` (`model_type: "qwen3"`,
-    `architectures: ["DFlashDraftModel"]`, `dflash_config`) and `model.safetensors` with the same
-    weight keys as the Hub format. `dtype` casts the saved weights. Returns the output folder."""
+    `architectures: ["DFlashDraftModel"]`, `dflash_config`, `auto_map` for AutoModel only),
+    `model.safetensors` with the same weight keys as the Hub format, and the two remote-code files.
+    `dtype` casts the saved weights. Returns the output folder."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     target_dtype = _as_dtype(dtype) or model.dtype
@@ -311,54 +285,10 @@ def save_official(
     }
     config = official_config_dict(model.config, target_dtype)
     save_file(state_dict, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    for name in REMOTE_CODE_FILES:  # the package's own files: they import only torch / transformers
+        shutil.copyfile(Path(_configuration.__file__).with_name(name), out / name)
     (out / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return out
-
-
-def _dflash_config_from_official(config: dict, source: str) -> dict:
-    """DFlashConfig kwargs from an official-format config.json dict (validated)."""
-    model_type = config.get("model_type")
-    if model_type != "qwen3":
-        hint = " (the Hub-native format: use load_drafter or from_pretrained)" if model_type == "dflash" else ""
-        raise ValueError(f"{source}: official DFlash checkpoints have model_type 'qwen3', got {model_type!r}{hint}.")
-    dflash = config.get("dflash_config")
-    if dflash is None:
-        dflash = {}
-    if not isinstance(dflash, dict):
-        raise ValueError(f"{source}: dflash_config must be a JSON object, got {dflash!r}.")
-    for field in ("mask_token_id", "target_layer_ids"):
-        if dflash.get(field) is None:
-            found = ""
-            if config.get(field) is not None:
-                found = f" (a top-level {field}={config[field]!r} exists, but engines read dflash_config.{field})"
-            raise ValueError(
-                f"{source}: dflash_config.{field} is missing{found}; {_ENGINE_FALLBACK_WARNING}. "
-                f"Set dflash_config.{field} to the value the drafter was trained with."
-            )
-    top, nested = config.get("block_size"), dflash.get("block_size")
-    if top is not None and nested is not None and top != nested:
-        raise ValueError(
-            f"{source}: block_size={top!r} (top-level) disagrees with dflash_config.block_size={nested!r}; "
-            "engines read one or the other, so fix the wrong one."
-        )
-    block_size = top if top is not None else nested
-    if block_size is None:
-        raise ValueError(f"{source}: block_size is missing (neither top-level nor in dflash_config).")
-    missing = [field for field in _REQUIRED_OFFICIAL_FIELDS if config.get(field) is None]
-    if missing:
-        raise ValueError(f"{source}: required field(s) {missing} missing from the config.")
-
-    kwargs = {field: config[field] for field in _DECODER_FIELDS if config.get(field) is not None}
-    kwargs.update(
-        rope_parameters=_rope_parameters(config),
-        block_size=block_size,
-        mask_token_id=dflash["mask_token_id"],
-        target_layer_ids=list(dflash["target_layer_ids"]),
-        tie_word_embeddings=False,
-    )
-    if config.get("draft_vocab_size") is not None:
-        kwargs["draft_vocab_size"] = config["draft_vocab_size"]
-    return kwargs
 
 
 def _check_state_dict(state_dict: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], source: str) -> None:
@@ -391,22 +321,17 @@ def _check_state_dict(state_dict: dict[str, torch.Tensor], expected: dict[str, t
         raise ValueError(f"{source}: weight shapes do not match config.json: {'; '.join(mismatched)}.")
 
 
-def load_official(
-    path: str | os.PathLike,
+def _build_drafter(
+    kwargs: dict,
+    state_dict: dict[str, torch.Tensor],
+    source: str,
     dtype: str | torch.dtype | None = "auto",
     device: str | torch.device | None = None,
     attn_implementation: str | None = None,
 ) -> DFlashDraftModel:
-    """Load an official / SpecForge / vLLM / SGLang DFlash checkpoint folder as a `DFlashDraftModel`
-    (eval mode). `dtype="auto"` keeps the stored dtype. Any inconsistency raises a ValueError."""
-    folder = Path(path)
-    if not folder.is_dir():
-        raise ValueError(f"{path} is not a checkpoint folder.")
-    raw = _read_config(folder)
-    source = str(folder / CONFIG_NAME)
-    kwargs = _dflash_config_from_official(raw, source)
-    state_dict = _load_state_dict(folder)
-
+    """A `DFlashDraftModel` (eval mode) from `DFlashConfig` kwargs and an exactly matching state dict.
+    `dtype="auto"` keeps the stored dtype; `source` names the checkpoint in errors."""
+    kwargs = dict(kwargs)
     if "target_hidden_size" not in kwargs and isinstance(state_dict.get("fc.weight"), torch.Tensor):
         in_features, num_features = state_dict["fc.weight"].shape[-1], len(kwargs["target_layer_ids"])
         if in_features % num_features == 0:  # older configs omit it; fc's input width tells
@@ -430,15 +355,85 @@ def load_official(
         from transformers.modeling_utils import no_init_weights
     with no_init_weights():
         model = DFlashDraftModel._from_config(config, **from_config_kwargs)
-    _check_state_dict(state_dict, model.state_dict(), f"{folder}")
+    _check_state_dict(state_dict, model.state_dict(), source)
     model.load_state_dict(state_dict, strict=True)
     try:
         model.check_draft_vocab()
     except ValueError as error:
-        raise ValueError(f"{folder}: {error}") from None
+        raise ValueError(f"{source}: {error}") from None
     if device is not None:
         model = model.to(device)
     return model.eval()
+
+
+def load_official(
+    path: str | os.PathLike,
+    dtype: str | torch.dtype | None = "auto",
+    device: str | torch.device | None = None,
+    attn_implementation: str | None = None,
+) -> DFlashDraftModel:
+    """Load an official / SpecForge / vLLM / SGLang DFlash checkpoint folder as a `DFlashDraftModel`
+    (eval mode). `dtype="auto"` keeps the stored dtype. Any inconsistency raises a ValueError."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"{path} is not a checkpoint folder.")
+    raw = _read_config(folder)
+    source = str(folder / CONFIG_NAME)
+    if raw.get("model_type") == "dflash":
+        raise ValueError(f"{source} is in the Hub-native format (model_type 'dflash'): use load_drafter.")
+    kwargs = dflash_kwargs_from_official(raw, source)
+    return _build_drafter(kwargs, _load_state_dict(folder), str(folder), dtype, device, attn_implementation)
+
+
+def _without_verifier_copies(state_dict: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """A speculators state dict without the verifier's embedding / LM head / norm copies and the
+    (identity, full-vocabulary) token maps: the target lends those at generation time."""
+    t2d = state_dict.get("t2d")
+    if t2d is not None and not bool(t2d.bool().all()):
+        raise ValueError(f"{source}: t2d maps only part of the vocabulary (a reduced draft vocabulary).")
+    return {key: value for key, value in state_dict.items() if key not in SPECULATORS_VERIFIER_COPIES}
+
+
+def load_speculators(
+    path: str | os.PathLike,
+    num_target_layers: int | None = None,
+    dtype: str | torch.dtype | None = "auto",
+    device: str | torch.device | None = None,
+    attn_implementation: str | None = None,
+) -> DFlashDraftModel:
+    """Load a vLLM speculators DFlash checkpoint folder (`speculators_model_type: "dflash"`) as a
+    `DFlashDraftModel`. `num_target_layers` is the target's `config.num_hidden_layers` (speculators
+    does not record it). What cannot be served raises a ValueError naming it (`foreign_formats`)."""
+    folder = Path(path)
+    source = str(folder / CONFIG_NAME)
+    kwargs = dflash_kwargs_from_speculators(_read_config(folder), source, num_target_layers)
+    state_dict = _without_verifier_copies(_load_state_dict(folder), source)
+    return _build_drafter(kwargs, state_dict, str(folder), dtype, device, attn_implementation)
+
+
+def drafter_from_model(model: torch.nn.Module) -> DFlashDraftModel:
+    """Our `DFlashDraftModel` from a DFlash drafter object built by other code (e.g. z-lab's
+    `DFlashDraftModel` loaded with `trust_remote_code=True`, or a speculators model): its config is
+    translated (official layout, speculators, or ours) and its weights copied, on its device and
+    dtype. Raises a ValueError naming what does not fit (missing `fc`, DFlash2, ...)."""
+    if isinstance(model, DFlashDraftModel):
+        return model
+    config = model.config.to_dict()
+    source = f"{type(model).__name__} config"
+    state_dict = {key: value.detach() for key, value in model.state_dict().items()}
+    if is_speculators_config(config):
+        kwargs = dflash_kwargs_from_speculators(config, source, config.get("num_target_layers"))
+        state_dict = _without_verifier_copies(state_dict, source)
+    elif config.get("model_type") == "dflash":
+        check_checkpoint_fields(config, source)
+        kwargs = {key: config[key] for key in DFlashConfig.__annotations__ if key in config}
+    else:
+        kwargs = dflash_kwargs_from_official({"model_type": "qwen3", **config}, source)
+    parameter = next(model.parameters(), None)
+    return _build_drafter(
+        kwargs, state_dict, type(model).__name__, dtype=parameter.dtype if parameter is not None else "auto",
+        device=parameter.device if parameter is not None else None,
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -447,10 +442,12 @@ def load_official(
 
 
 def detect_format(path: str | os.PathLike) -> str:
-    """'hub' or 'official' for a local checkpoint folder, from its config.json."""
+    """'hub', 'official' or 'speculators' (vLLM speculators, load-only) for a local checkpoint folder."""
     folder = Path(path)
     config = _read_config(folder)
     model_type = config.get("model_type")
+    if is_speculators_config(config):
+        return "speculators"
     if model_type == "dflash":
         return "hub"
     if model_type == "qwen3":
@@ -462,21 +459,24 @@ def detect_format(path: str | os.PathLike) -> str:
         return "official"
     raise ValueError(
         f"{folder / CONFIG_NAME} has model_type {model_type!r}; a DFlash drafter has 'dflash' (Hub-native) "
-        "or 'qwen3' with a dflash_config (official / SpecForge / vLLM / SGLang)."
+        "or 'qwen3' with a dflash_config (official / SpecForge / vLLM / SGLang), or a speculators_config "
+        "(vLLM speculators)."
     )
 
 
-def load_drafter(path: str | os.PathLike, **kwargs) -> DFlashDraftModel:
-    """Load a DFlash drafter from a folder (or Hub repo id) in either format.
+def load_drafter(path: str | os.PathLike, num_target_layers: int | None = None, **kwargs) -> DFlashDraftModel:
+    """Load a DFlash drafter from a folder (or Hub repo id): Hub-native, official, or vLLM speculators.
 
-    Hub-native folders go through `DFlashDraftModel.from_pretrained(path, **kwargs)`; official ones
-    through `load_official` (which accepts `dtype`, `device` (or a single-device `device_map`) and
-    `attn_implementation`). Errors are ValueErrors that name the offending file or value.
+    Hub-native folders go through `DFlashDraftModel.from_pretrained(path, **kwargs)`; official and
+    speculators ones through `load_official` / `load_speculators` (which accept `dtype`, `device` (or
+    a single-device `device_map`) and `attn_implementation`; speculators checkpoints also need
+    `num_target_layers`, the target's depth). Errors are ValueErrors that name the file or value.
     """
     folder = _resolve_folder(path, kwargs.get("revision"), kwargs.get("token"))
     kind = detect_format(folder)
     _check_weight_files(folder)
     if kind == "hub":
+        check_checkpoint_fields(_read_config(folder), str(folder / CONFIG_NAME))
         return DFlashDraftModel.from_pretrained(str(folder), **kwargs)
     kwargs.pop("revision", None)
     kwargs.pop("token", None)
@@ -485,7 +485,25 @@ def load_drafter(path: str | os.PathLike, **kwargs) -> DFlashDraftModel:
         if not isinstance(device_map, (str, int, torch.device)) or device_map == "auto":
             raise ValueError(f"Official DFlash checkpoints load onto one device; got device_map={device_map!r}.")
         kwargs.setdefault("device", device_map)
+    if kind == "speculators":
+        return load_speculators(folder, num_target_layers=num_target_layers, **kwargs)
     return load_official(folder, **kwargs)
+
+
+def _check_destination(src: str | os.PathLike, dst: Path, overwrite: bool) -> None:
+    """Refuse to write over another checkpoint (its stale files would stay beside ours) unless
+    `overwrite`, and never replace a folder that holds the source."""
+    source = Path(src).resolve() if Path(src).exists() else None
+    if source is not None and dst.exists() and (source == dst.resolve() or dst.resolve() in source.parents):
+        raise ValueError(f"The destination {dst} is or holds the source {src}; write the conversion elsewhere.")
+    if dst.is_file():
+        raise ValueError(f"The destination {dst} is a file; give a new or empty folder.")
+    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
+        held = sorted(p.name for p in dst.iterdir())
+        raise ValueError(
+            f"The destination {dst} is not empty (it holds {held[:6]}{' ...' if len(held) > 6 else ''}); give a new or "
+            "empty folder, or pass --overwrite (overwrite=True) to replace the whole folder."
+        )
 
 
 def convert(
@@ -493,25 +511,44 @@ def convert(
     dst: str | os.PathLike,
     to: str,
     dtype: str | torch.dtype | None = None,
+    overwrite: bool = False,
+    num_target_layers: int | None = None,
 ) -> Path:
-    """Convert a drafter checkpoint (either format) to `to` = "official" or "hub" in `dst`.
-    `dtype` casts the written weights (default: keep the stored dtype). Returns `dst`."""
+    """Convert a drafter checkpoint (any loadable format) to `to` = "official" or "hub" in `dst`.
+
+    `dst` must be new or empty unless `overwrite`, which replaces the whole folder (the conversion is
+    written beside it first, so a failure leaves the old folder as it was). `dtype` casts the written
+    weights (default: keep). `num_target_layers`: the target's depth, for speculators sources. Returns `dst`.
+    """
     if to not in FORMATS:
         raise ValueError(f"to={to!r} is not a checkpoint format; use one of {FORMATS}.")
-    if Path(src).exists() and Path(dst).exists() and Path(src).resolve() == Path(dst).resolve():
-        raise ValueError(f"Source and destination are the same folder ({dst}); write the conversion elsewhere.")
-    model = load_drafter(src)
+    destination = Path(dst)
+    _check_destination(src, destination, overwrite)
+    model = load_drafter(src, num_target_layers=num_target_layers)
     save = save_official if to == "official" else save_hub
-    return save(model, dst, dtype=dtype)
+    if not (destination.is_dir() and any(destination.iterdir())):
+        return save(model, destination, dtype=dtype)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
+    try:
+        save(model, staging / "new", dtype=dtype)
+        os.replace(destination, staging / "old")
+        os.replace(staging / "new", destination)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return destination
 
 
 __all__ = [
     "FORMATS",
     "HUB_AUTO_MAP",
+    "OFFICIAL_AUTO_MAP",
     "convert",
     "detect_format",
+    "drafter_from_model",
     "load_drafter",
     "load_official",
+    "load_speculators",
     "official_config_dict",
     "save_hub",
     "save_official",

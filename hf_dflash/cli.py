@@ -32,11 +32,36 @@ def _announce_dtype(dtype: str, device: str = "cpu") -> None:
     print(f"dtype: {describe_dtype(dtype, device)}")
 
 
+def _non_negative_float(text: str) -> float:
+    """argparse type: a float >= 0 (a temperature)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = greedy), got {text}")
+    return value
+
+
+def _device(text: str) -> str:
+    """argparse type: a torch device this machine has (`models.resolve_device`)."""
+    from .models import resolve_device
+
+    try:
+        resolve_device(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 def _run_convert(args: argparse.Namespace) -> int:
     from .checkpoints import convert
 
-    out = convert(args.src, args.dst, to=args.to, dtype=args.dtype)
-    print(f"Wrote {args.to} DFlash checkpoint to {out}")
+    out = convert(
+        args.src, args.dst, to=args.to, dtype=args.dtype, overwrite=args.overwrite,
+        num_target_layers=args.num_target_layers,
+    )  # fmt: skip
+    print(f"Wrote {args.to} DFlash checkpoint to {out}" + (" (replaced the whole folder)" if args.overwrite else ""))
     return 0
 
 
@@ -44,14 +69,21 @@ def register_convert(subparsers) -> None:
     parser = subparsers.add_parser(
         "convert",
         help="convert a drafter checkpoint between the Hub-native and official (vLLM/SGLang) formats",
-        description="Convert a DFlash drafter checkpoint (either format, local folder or Hub repo id) to "
-        "the Hub-native format (model_type 'dflash', remote code) or the official format "
-        "(model_type 'qwen3' + dflash_config, served by vLLM/SGLang).",
+        description="Convert a DFlash drafter checkpoint (Hub-native, official or vLLM speculators; local folder "
+        "or Hub repo id) to the Hub-native format (model_type 'dflash', remote code) or the official format "
+        "(model_type 'qwen3' + dflash_config, served by vLLM/SGLang). DST must be new or empty unless --overwrite.",
     )
     parser.add_argument("src", help="source checkpoint folder (or Hub repo id)")
-    parser.add_argument("dst", help="destination folder")
+    parser.add_argument("dst", help="destination folder (new or empty)")
     parser.add_argument("--to", required=True, choices=("official", "hub"), help="output format")
     parser.add_argument("--dtype", default=None, help="cast weights, e.g. bfloat16 (default: keep)")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace a non-empty DST entirely (no stale files are kept)"
+    )
+    parser.add_argument(
+        "--num-target-layers", type=int, default=None,
+        help="the target's decoder layers, for a vLLM speculators source (it does not record them)",
+    )  # fmt: skip
     parser.set_defaults(func=_run_convert)
 
 
@@ -172,6 +204,15 @@ def _run_prepare_data(args: argparse.Namespace) -> int:
         f"{tokenized.get('too_few_supervised', 0)} dropped with < {tokenized['min_supervised_tokens']}) "
         f"to {args.out}/tokenized"
     )
+    if not tokenized.get("kept"):
+        conversations = tokenized.get("conversations", 0)
+        why = (
+            f"all {conversations} replies had fewer than {tokenized['min_supervised_tokens']} supervised tokens "
+            f"(2 x --block-size {args.block_size}): raise --max-new-tokens or lower --block-size"
+            if conversations
+            else "no prompt reached the regeneration stage: check --sources/--prompts and the corpus summary"
+        )
+        raise ValueError(f"prepare-data ended with 0 training samples in {args.out}/tokenized; {why}.")
     return 0
 
 
@@ -198,7 +239,7 @@ def register_prepare_data(subparsers) -> None:
     parser.add_argument("--max-prompts", type=int, default=None, help="keep at most N prompts (seeded random choice)")
     parser.add_argument("--target", default="smollm2-135m-instruct", help="a known target (default: %(default)s)")
     _add_dtype_argument(parser, "target dtype for regeneration")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), > 0 samples")
+    parser.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy (default), > 0 samples")
     parser.add_argument("--max-new-tokens", type=int, default=512, help="reply length limit (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (default: %(default)s)")
     parser.add_argument("--shard-size", type=int, default=128, help="prompts per response shard (default: %(default)s)")
@@ -213,7 +254,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from .trainer.train import load_train_config, train_from_config
 
     trainer = train_from_config(load_train_config(args.config))
-    if trainer.is_world_process_zero():
+    if trainer is not None and trainer.is_world_process_zero():
         print(f"Saved the trained drafter to {trainer.args.output_dir}")
     return 0
 
@@ -358,12 +399,14 @@ def register_bench(subparsers) -> None:
         "--prompts", default=None, help='your JSONL prompts: {"prompt": str} or {"messages": [...]} per line'
     )
     parser.add_argument(
-        "--num-prompts", type=int, default=8, help="prompts sampled per set with the seed, 0 = all (default: 8)"
-    )
+        "--num-prompts", type=int, default=None,
+        help="prompts sampled per set with the seed, 0 = all (default: 8 per built-in set, every prompt of --prompts)",
+    )  # fmt: skip
     parser.add_argument("--max-new-tokens", type=int, default=256, help="per answer (turn) (default: %(default)s)")
     _add_dtype_argument(parser, "target and drafter dtype")
     parser.add_argument(
-        "--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples (seeded, no identity check)"
+        "--temperature", type=_non_negative_float, default=0.0,
+        help="0 = greedy (default); > 0 samples (seeded, no identity check)",
     )
     parser.add_argument("--seed", type=int, default=0, help="prompt sampling, sampling and random drafter seed")
     parser.add_argument("--out", default="out/bench", help="output folder (default: %(default)s)")
@@ -373,7 +416,9 @@ def register_bench(subparsers) -> None:
         default=list(METHODS),
         help=f"comma-separated, from {','.join(METHODS)} (default: all)",
     )
-    parser.add_argument("--device", default=None, help="e.g. cpu, cuda:0 (default: cuda when available, else cpu)")
+    parser.add_argument(
+        "--device", type=_device, default=None, help="e.g. cpu, cuda:0 (default: cuda when available, else cpu)"
+    )
     parser.add_argument(
         "--block-size-policy", default="recommended",
         help="our DFlash method's block length per round: 'recommended' (default: the drafter config's "

@@ -101,6 +101,23 @@ def locate_gguf(spec: TargetSpec) -> Path:
     return package_file(spec.package, spec.gguf_file, missing, MissingTargetPackageError)
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """A torch.device from a name ("cpu", "cuda", "cuda:1", ...); None = CUDA when available, else CPU.
+    ValueError for a name torch does not know and for CUDA on a machine without it."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {device!r} is not a torch device; use e.g. cpu, cuda or cuda:1.") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"CUDA is not available on this machine (torch {torch.__version__}), so --device {device} cannot run; "
+            "use --device cpu."
+        )
+    return resolved
+
+
 def is_converted(folder: Path, spec: TargetSpec) -> bool:
     """Whether `folder` holds a complete conversion of `spec`'s GGUF."""
     marker = folder / MARKER_FILE

@@ -176,13 +176,17 @@ def train_variant(args: argparse.Namespace) -> None:
     overrides = {key: json.loads(value) for key, value in (item.split("=") for item in spec.split(",") if item)}
     root = Path(args.out) / "drafters"
     timer = StepTimer()
-    train_from_config(variant_config(args, name, overrides, root / f"{name}-calibration", CALIBRATION_STEPS), [timer])
+    calibration = root / f"{name}-calibration"
+    shutil.rmtree(calibration, ignore_errors=True)  # this script's own scratch run: a finished one would be skipped
+    train_from_config(variant_config(args, name, overrides, calibration, CALIBRATION_STEPS), [timer])
     seconds_per_step = timer.seconds_per_step(skip=CALIBRATION_STEPS // 2)
     reserve = 45  # loading, final evaluation, saving
     steps = max(int((args.deadline - time.time() - reserve) / seconds_per_step), CALIBRATION_STEPS)
     log(f"{name}: {seconds_per_step:.3f} s/step -> {steps} steps")
     started = time.time()
     trainer = train_from_config(variant_config(args, name, overrides, root / name, steps))
+    if trainer is None:  # a finished run of exactly this config (train_from_config said so): keep it
+        return
     history = trainer.state.log_history
     summary = {
         "variant": name,

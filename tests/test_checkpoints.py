@@ -16,6 +16,7 @@ from transformers import AutoConfig
 
 from hf_dflash.checkpoints import (
     HUB_AUTO_MAP,
+    OFFICIAL_AUTO_MAP,
     convert,
     load_drafter,
     load_official,
@@ -175,7 +176,11 @@ def test_official_format_config_and_round_trip(official_dir, hub_dir, inputs, ex
         assert field in config, field
     assert config["rope_theta"] == config["rope_parameters"]["rope_theta"]
     assert config["rope_scaling"] is None  # plain RoPE, as older engines expect
-    assert "auto_map" not in config
+    # z-lab's convention: only AutoModel is remote, so AutoConfig (and every engine) still sees a Qwen3Config.
+    assert config["auto_map"] == OFFICIAL_AUTO_MAP == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+    assert {p.name for p in official_dir.iterdir()} == {
+        "config.json", "model.safetensors", "configuration_dflash.py", "modeling_dflash.py"
+    }
     official_weights = load_file(str(official_dir / "model.safetensors"))
     hub_weights = load_file(str(hub_dir / "model.safetensors"))
     assert sorted(official_weights) == EXPECTED_KEYS
@@ -242,12 +247,15 @@ else:
 import torch
 from transformers import AutoConfig, AutoModel
 
-folder = sys.argv[1]
+folder, config_type = sys.argv[1], sys.argv[2]
 config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
 model = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
 assert not type(model).__module__.startswith("hf_dflash"), type(model).__module__
 assert not type(config).__module__.startswith("hf_dflash"), type(config).__module__
-assert type(model).__name__ == "DFlashDraftModel" and config.model_type == "dflash"
+assert config.model_type == config_type, config.model_type  # the official layout stays a Qwen3Config for engines
+assert type(model).__name__ == "DFlashDraftModel", type(model)
+assert model.config.model_type == "dflash" and model.config.mask_token_id == 127, model.config
+assert model.config.target_layer_ids == [1, 3] and model.config.block_size == 4, model.config
 assert not any(name == "hf_dflash" or name.startswith("hf_dflash.") for name, m in sys.modules.items() if m)
 data = torch.load("expected.pt")
 with torch.no_grad():
@@ -267,10 +275,12 @@ def subprocess_runs(hub_dir, official_dir, inputs, expected, tmp_path_factory):
     script = Path(sys.executable).with_name("hf-dflash")
     cli_out = tmp_path_factory.mktemp("console") / "hub"
     processes = {
-        "remote": subprocess.Popen(
-            [sys.executable, "-c", REMOTE_SCRIPT, str(hub_dir)], cwd=remote_cwd, env=remote_env,
+        name: subprocess.Popen(
+            [sys.executable, "-c", REMOTE_SCRIPT, str(folder), config_type], cwd=remote_cwd,
+            env={**remote_env, "HF_MODULES_CACHE": str(remote_cwd / f"modules_{name}")},
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ),
+        )
+        for name, folder, config_type in (("remote", hub_dir, "dflash"), ("remote_official", official_dir, "qwen3"))
     }
     if script.is_file():
         processes["console"] = subprocess.Popen(
@@ -290,8 +300,11 @@ def subprocess_runs(hub_dir, official_dir, inputs, expected, tmp_path_factory):
     return results
 
 
-def test_remote_code_loads_without_our_package(subprocess_runs):
-    returncode, stdout, stderr = subprocess_runs["remote"]
+@pytest.mark.parametrize("layout", ["remote", "remote_official"])
+def test_remote_code_loads_without_our_package(subprocess_runs, layout):
+    """Both layouts: `AutoModel.from_pretrained(folder, trust_remote_code=True)` is our drafter, same outputs
+    (before #13 the official folder silently gave a plain Qwen3Model with fc/hidden_norm dropped)."""
+    returncode, stdout, stderr = subprocess_runs[layout]
     assert returncode == 0, stdout + stderr
     assert "REMOTE_OK transformers_modules" in stdout
 
@@ -432,3 +445,185 @@ def test_hub_from_pretrained_rejects_key_mismatch(hub_dir, tmp_path, edit, match
         DFlashDraftModel.from_pretrained(folder)
     with pytest.raises(ValueError, match=match):
         load_drafter(folder)
+
+
+# ---------------------------------------------------------------- Hub-format config errors (issue #13 B1)
+
+
+@pytest.mark.parametrize("field", ["mask_token_id", "target_layer_ids"])
+def test_hub_config_without_the_dflash_ids_is_refused(hub_dir, tmp_path, field):
+    """Without them the class defaults (Qwen3-8B's 151669 / [1, 9, 17, 25, 33]) would load silently."""
+    folder = copy_of(hub_dir, tmp_path)
+    edit_config(folder, lambda c: c.pop(field))
+    match = rf"config\.json has no {field}.*acceptance"
+    with pytest.raises(ValueError, match=match):
+        load_drafter(folder)
+    with pytest.raises(ValueError, match=match):
+        DFlashDraftModel.from_pretrained(folder)
+    with pytest.raises(ValueError, match=match):
+        AutoConfig.from_pretrained(folder)
+    edit_config(folder, lambda c: c.update({field: None}))
+    with pytest.raises(ValueError, match=field):
+        load_drafter(folder)
+
+
+# ---------------------------------------------------------------- other published layouts (issue #13 A3, A5)
+
+
+def speculators_folder(model: DFlashDraftModel, folder: Path) -> Path:
+    """A vLLM speculators DFlash checkpoint of `model`: `speculators_config` + the decoder nested in
+    `transformer_layer_config`, aux_hidden_state_layer_ids indexing the target's hidden_states (ours + 1),
+    and the verifier's embedding / LM head copies and vocabulary maps beside the drafter weights."""
+    folder.mkdir(parents=True)
+    config = model.config
+    layer_config = {
+        "model_type": "qwen3", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+        "hidden_act": "silu", "rms_norm_eps": config.rms_norm_eps, "max_position_embeddings": 256,
+        "rope_parameters": dict(config.rope_parameters), "attention_bias": False,
+    }
+    (folder / "config.json").write_text(json.dumps({
+        "speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"], "speculators_version": "0.4.0",
+        "block_size": 4, "draft_vocab_size": 128, "mask_token_id": 127, "aux_hidden_state_layer_ids": [2, 4],
+        "target_hidden_size": 32, "sliding_window_non_causal": False, "projector_type": "dflash",
+        "sample_from_anchor": False, "transformer_layer_config": layer_config,
+        "speculators_config": {
+            "algorithm": "dflash", "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+            "verifier": {"name_or_path": "tiny/qwen3-target", "architectures": ["Qwen3ForCausalLM"]},
+        },
+    }))
+    weights = {key: value.clone() for key, value in model.state_dict().items()}
+    weights |= {"embed_tokens.weight": torch.randn(128, 32), "lm_head.weight": torch.randn(128, 32),
+                "d2t": torch.zeros(128, dtype=torch.long), "t2d": torch.ones(128, dtype=torch.bool)}
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def speculators_dir(model, tmp_path_factory):
+    return speculators_folder(model, tmp_path_factory.mktemp("speculators") / "drafter")
+
+
+def test_speculators_checkpoint_loads(speculators_dir, inputs, expected, tmp_path, capsys):
+    loaded = load_drafter(speculators_dir, num_target_layers=6)
+    assert loaded.config.target_layer_ids == [1, 3] and loaded.config.mask_token_id == 127
+    assert loaded.config.block_size == 4 and loaded.config.num_target_layers == 6
+    assert_same_model(loaded, expected, inputs)
+    assert main(["convert", str(speculators_dir), str(tmp_path / "hub"), "--to", "hub", "--num-target-layers", "6"]) == 0
+    assert_same_model(load_drafter(tmp_path / "hub"), expected, inputs)
+
+
+def test_speculators_checkpoint_needs_the_target_depth(speculators_dir):
+    with pytest.raises(ValueError, match=r"verifier \(tiny/qwen3-target\).*pass num_target_layers="):
+        load_drafter(speculators_dir)
+
+
+def _set(**fields):
+    return lambda c: c.update(fields)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (_set(projector_type="domino"), r"projector_type='domino'"),
+        (_set(sample_from_anchor=True), r"sample_from_anchor=True"),
+        (_set(shift_label=True), r"shift_label=True"),
+        (_set(draft_vocab_size=64), r"draft_vocab_size=64.*128"),
+        (_set(speculators_model_type="dflash2"), r"DFlash2"),
+        (_set(speculators_model_type="eagle3"), r"'eagle3'.*not a DFlash"),
+        (_set(aux_hidden_state_layer_ids=[0, 4]), r"aux_hidden_state_layer_ids \[0, 4\]"),
+        (lambda c: c.pop("mask_token_id"), r"mask_token_id"),
+        (lambda c: c.pop("aux_hidden_state_layer_ids"), r"aux_hidden_state_layer_ids"),
+    ],
+    ids=["domino", "sample_from_anchor", "shift_label", "reduced_vocab", "dflash2", "eagle3", "aux_zero",
+         "no_mask", "no_layers"],
+)
+def test_speculators_checkpoints_that_cannot_be_served_are_named(speculators_dir, tmp_path, edit, match):
+    folder = copy_of(speculators_dir, tmp_path)
+    edit_config(folder, edit)
+    with pytest.raises(ValueError, match=match):
+        load_drafter(folder, num_target_layers=6)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda c: c.update(architectures=["DFlash2DraftModel"]), r"DFlash2"),
+        (lambda c: c["dflash_config"].update(conv_kernel_size=2, selector_rank=8), r"DFlash2"),
+        (lambda c: c["dflash_config"].update(output_multiplier=0.2), r"output_multiplier=0\.2"),
+        (lambda c: c["dflash_config"].update(final_logit_softcapping=20.0), r"final_logit_softcapping=20\.0"),
+        (lambda c: c.update(is_causal=True), r"is_causal=true"),
+    ],
+    ids=["dflash2_architecture", "dflash2_fields", "output_multiplier", "softcapping", "causal_everywhere"],
+)
+def test_official_variants_that_cannot_be_served_are_named(official_dir, tmp_path, edit, match):
+    folder = copy_of(official_dir, tmp_path)
+    edit_config(folder, edit)
+    with pytest.raises(ValueError, match=match):
+        load_drafter(folder)
+
+
+@pytest.mark.parametrize("non_causal", [False, True])
+def test_sliding_layer_semantics_survive_both_formats(tmp_path, inputs, non_causal):
+    torch.manual_seed(0)
+    config = DFlashConfig(**TINY, layer_types=["sliding_attention", "full_attention"], sliding_window=3,
+                          sliding_window_non_causal=non_causal)
+    model = DFlashDraftModel(config).eval()
+    official = save_official(model, tmp_path / "official")
+    written = json.loads((official / "config.json").read_text())
+    assert written["dflash_config"]["sliding_window_non_causal"] is non_causal
+    assert written.get("is_causal", None) is (False if non_causal else None)  # z-lab's name for the same
+    for folder in (official, save_hub(model, tmp_path / "hub")):
+        loaded = load_drafter(folder)
+        assert loaded.config.sliding_window_non_causal is non_causal
+        assert torch.equal(run(loaded, inputs), run(model, inputs))
+
+
+def test_zlab_is_causal_false_means_bidirectional_sliding_layers(tmp_path):
+    torch.manual_seed(0)
+    config = DFlashConfig(**TINY, layer_types=["sliding_attention"] * 2, sliding_window=3)
+    folder = save_official(DFlashDraftModel(config), tmp_path / "zlab")
+    def as_zlab(c):
+        del c["dflash_config"]["sliding_window_non_causal"]
+        c["is_causal"] = False
+
+    edit_config(folder, as_zlab)
+    assert load_drafter(folder).config.sliding_window_non_causal is True
+    edit_config(folder, lambda c: c.pop("is_causal"))
+    assert load_drafter(folder).config.sliding_window_non_causal is False  # z-lab's default too: causal
+
+
+# ---------------------------------------------------------------- convert into an existing folder (issue #13 B2)
+
+
+def test_convert_refuses_a_non_empty_destination(hub_dir, official_dir, tmp_path, capsys):
+    other = Path(shutil.copytree(official_dir, tmp_path / "other_drafter"))
+    (other / "README.md").write_text("another drafter's card\n")
+    before = {p.name: p.read_bytes() for p in other.iterdir()}
+    assert main(["convert", str(hub_dir), str(other), "--to", "official"]) == 1
+    err = capsys.readouterr().err
+    assert "hf-dflash convert: error:" in err and "not empty" in err and "--overwrite" in err
+    assert {p.name: p.read_bytes() for p in other.iterdir()} == before  # untouched
+    with pytest.raises(ValueError, match="overwrite=True"):
+        convert(hub_dir, other, to="official")
+
+
+def test_convert_overwrite_replaces_the_whole_folder(hub_dir, inputs, expected, tmp_path):
+    destination = tmp_path / "dst"
+    destination.mkdir()
+    (destination / "README.md").write_text("stale card of another drafter\n")
+    (destination / "notes.txt").write_text("stale\n")
+    assert main(["convert", str(hub_dir), str(destination), "--to", "official", "--overwrite"]) == 0
+    assert {p.name for p in destination.iterdir()} == {
+        "config.json", "model.safetensors", "configuration_dflash.py", "modeling_dflash.py"
+    }
+    assert_same_model(load_drafter(destination), expected, inputs)
+    assert main(["convert", str(hub_dir), str(tmp_path / "empty_is_fine"), "--to", "hub"]) == 0
+
+
+def test_convert_overwrite_never_deletes_its_source(hub_dir, tmp_path):
+    source = Path(shutil.copytree(hub_dir, tmp_path / "parent" / "src"))
+    with pytest.raises(ValueError, match="holds the source"):
+        convert(source, tmp_path / "parent", to="official", overwrite=True)
+    assert (source / "model.safetensors").is_file()

@@ -2,9 +2,14 @@
 
 import pytest
 import torch
+from transformers import AutoModel, Qwen3Config
 from transformers.cache_utils import DFlashCache
+from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3PreTrainedModel, Qwen3RMSNorm
 
+import hf_dflash
 import hf_dflash.generation.hook as hook
+from hf_dflash import DFlashDraftModel
+from hf_dflash.checkpoints import drafter_from_model, official_config_dict, save_official
 from tests.conftest import make_drafter, make_target
 
 PROMPT = torch.tensor([[5, 17, 33, 9, 71, 4]])
@@ -95,3 +100,100 @@ def test_output_attentions_is_refused_clearly():
             PROMPT, max_new_tokens=5, assistant_model=make_drafter(target),
             return_dict_in_generate=True, output_attentions=True,
         )
+
+
+# ---------------------------------------------------------------- options DFlash cannot serve (issue #13 B7)
+
+
+def test_prompt_lookup_with_a_dflash_drafter_is_refused_not_dropped():
+    """Stock Transformers would give prompt lookup precedence; we used to drop it silently."""
+    target = make_target("llama")
+    with pytest.raises(ValueError, match=r"prompt_lookup_num_tokens=3.*DFlash"):
+        target.generate(PROMPT, max_new_tokens=5, assistant_model=make_drafter(target), prompt_lookup_num_tokens=3)
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [(dict(num_beams=2), r"num_beams=2 \(beam search\)"), (dict(num_beams=3, do_sample=True), r"num_beams=3")],
+    ids=["beam_search", "beam_sample"],
+)
+def test_beam_search_with_a_dflash_drafter_is_refused_and_clears_old_stats(options, match):
+    """Transformers only warns and runs beam search without the drafter."""
+    target = make_target("llama")
+    drafter = make_drafter(target)
+    target.generate(PROMPT, do_sample=False, max_new_tokens=6, assistant_model=drafter)
+    assert drafter.last_acceptance is not None
+    with pytest.raises(ValueError, match=match):
+        target.generate(PROMPT, max_new_tokens=5, assistant_model=drafter, **options)
+    assert drafter.last_acceptance is None  # no statistics of an earlier call pass for this one
+
+
+# ---------------------------------------------------------------- drafters from other code (issue #13 A2)
+
+
+class ForeignDFlashDraftModel(Qwen3PreTrainedModel):
+    """Stands in for a drafter class loaded through someone else's remote code (z-lab's repos name
+    theirs `DFlashDraftModel`): a Qwen3Config with `dflash_config`, the SPEC weight names, and a forward
+    Transformers' plain assisted decoding would misuse."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.layers = torch.nn.ModuleList([Qwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.fc = torch.nn.Linear(len(config.dflash_config["target_layer_ids"]) * config.hidden_size,
+                                  config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_init()
+
+
+def foreign_copy(drafter) -> ForeignDFlashDraftModel:
+    official = official_config_dict(drafter.config, torch.float32)
+    config = Qwen3Config(**{k: v for k, v in official.items() if k not in ("auto_map", "architectures")})
+    foreign = ForeignDFlashDraftModel(config).eval()
+    foreign.load_state_dict(drafter.state_dict(), strict=True)
+    return foreign
+
+
+def test_a_foreign_dflash_drafter_is_refused_with_the_way_to_load_it():
+    target = make_target("qwen3")
+    foreign = foreign_copy(make_drafter(target))
+    with pytest.raises(ValueError, match=r"ForeignDFlashDraftModel.*hf_dflash\.load_drafter.*hf_dflash\.drafter_from_model"):
+        target.generate(PROMPT, do_sample=False, max_new_tokens=8, assistant_model=foreign)
+    assert hf_dflash.load_drafter and hf_dflash.drafter_from_model is drafter_from_model  # the names it gives exist
+
+
+def test_a_foreign_dflash_drafter_converts_and_runs_dflash():
+    target = make_target("qwen3")
+    drafter = make_drafter(target)
+    converted = drafter_from_model(foreign_copy(drafter))
+    assert isinstance(converted, DFlashDraftModel) and converted.config.target_layer_ids == [1, 3]
+    noise, context = torch.randn(1, 4, 32), torch.randn(1, 6, 64)
+    with torch.no_grad():
+        assert torch.equal(
+            converted(noise_embeds=noise, context_hidden_states=context).last_hidden_state,
+            drafter(noise_embeds=noise, context_hidden_states=context).last_hidden_state,
+        )
+    expected = target.generate(PROMPT, do_sample=False, max_new_tokens=12, eos_token_id=None)
+    actual = target.generate(PROMPT, do_sample=False, max_new_tokens=12, eos_token_id=None, assistant_model=converted)
+    assert torch.equal(actual, expected) and converted.last_acceptance is not None
+
+
+def test_an_official_folder_loaded_without_remote_code_is_refused(tmp_path):
+    """`AutoModel.from_pretrained(official_folder)` alone is a plain Qwen3Model (fc/hidden_norm dropped):
+    as an assistant it must not fall into plain assisted decoding."""
+    target = make_target("qwen3")
+    folder = save_official(make_drafter(target), tmp_path / "official")
+    plain = AutoModel.from_pretrained(folder)
+    assert type(plain).__name__ == "Qwen3Model"
+    with pytest.raises(ValueError, match=r"hf_dflash\.load_drafter"):
+        target.generate(PROMPT, do_sample=False, max_new_tokens=8, assistant_model=plain)
+    with pytest.raises(ValueError, match=r"fc\.weight"):
+        drafter_from_model(plain)
+
+
+def test_a_dflash2_model_is_named():
+    target = make_target("qwen3")
+    foreign = foreign_copy(make_drafter(target))
+    foreign.config.dflash_config = {**foreign.config.dflash_config, "conv_kernel_size": 2, "selector_rank": 8}
+    with pytest.raises(ValueError, match="DFlash2"):
+        drafter_from_model(foreign)

@@ -29,6 +29,7 @@ from hf_dflash.hub_cards import (
     load_training_record,
     push_folder,
     record_data_from_prepare_data,
+    render_model_card,
 )
 from hf_dflash.trainer import DFlashTrainingArguments
 from tests.conftest import make_drafter, make_target
@@ -190,10 +191,12 @@ def test_exported_folder(exported, drafter_dir, remote_process):
 
 def test_official_subfolder_loads(exported, drafter_dir):
     official = exported / "official"
-    assert {p.name for p in official.iterdir()} == {"config.json", "model.safetensors"}
+    assert {p.name for p in official.iterdir()} == {
+        "config.json", "model.safetensors", "configuration_dflash.py", "modeling_dflash.py"
+    }  # remote code: AutoModel.from_pretrained(that_folder, trust_remote_code=True) is the drafter
     assert detect_format(official) == "official"
     config = json.loads((official / "config.json").read_text())
-    assert config["model_type"] == "qwen3"
+    assert config["model_type"] == "qwen3" and config["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
     assert config["dflash_config"] == {"mask_token_id": 127, "target_layer_ids": [1, 3], "block_size": 4}
     loaded, reference = load_drafter(official), load_drafter(drafter_dir)
     assert isinstance(loaded, DFlashDraftModel)
@@ -302,6 +305,24 @@ def test_card_snippet_with_our_package(exported, target_dir, one_thread):
     assert plain.shape[1] - inputs["input_ids"].shape[1] >= 8
 
 
+@pytest.mark.parametrize(
+    "layers, expected",
+    [
+        (dict(), r"\| attention \| 2 full-attention layers: bidirectional inside the block, all context \|"),
+        (dict(layer_types=["sliding_attention", "full_attention"], sliding_window=64),
+         r"1 sliding-window layer \(window 64\): causal inside the block.*SpecForge.*sliding_window_non_causal: false"),
+        (dict(layer_types=["sliding_attention", "sliding_attention"], sliding_window=64, sliding_window_non_causal=True),
+         r"2 sliding-window layers \(window 64\): bidirectional inside the block.*sliding_window_non_causal: true"),
+    ],
+    ids=["full", "sliding_causal", "sliding_bidirectional"],
+)
+def test_card_states_the_attention_semantics(layers, expected):
+    """Issue #13 A5: serving engines differ on sliding layers; the card says which ones these weights need."""
+    drafter = make_drafter(make_target("llama"), **layers)
+    card = render_model_card(drafter.config, TARGET_ID)
+    assert re.search(expected, card.text), card.text
+
+
 def test_template_is_package_data():
     assert resources.files("hf_dflash.hub_cards").joinpath("template.md").is_file()
     pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()  # (no tomllib on Python 3.10)
@@ -394,11 +415,11 @@ def fake_hub(monkeypatch):
         calls.append(("create_repo", self.token, repo_id, kwargs))
         return f"https://huggingface.co/{repo_id}"
 
-    def upload_folder(self, **kwargs):
-        calls.append(("upload_folder", self.token, kwargs))
+    def create_commit(self, **kwargs):
+        calls.append(("create_commit", self.token, kwargs))
 
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
-    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    monkeypatch.setattr(HfApi, "create_commit", create_commit)
     return calls
 
 
@@ -410,9 +431,12 @@ def test_push_calls_the_hub_api(bare, tmp_path, fake_hub, monkeypatch, capsys):
     (_, token, repo_id, create_kwargs), (_, upload_token, upload_kwargs) = fake_hub
     assert token == upload_token == "hf_fake" and repo_id == REPO_ID
     assert create_kwargs["private"] is True and create_kwargs["exist_ok"] is True
-    assert upload_kwargs["repo_id"] == REPO_ID and Path(upload_kwargs["folder_path"]) == folder
-    card = (folder / "README.md").read_text()  # the snippets now name the real repo
+    assert upload_kwargs["repo_id"] == REPO_ID and upload_kwargs["repo_type"] == "model"
+    operations = {operation.path_in_repo: operation for operation in upload_kwargs["operations"]}
+    assert set(operations) == {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+    card = (folder / "README.md").read_text()  # the snippets now name the real repo, uploaded and on disk
     assert REPO_ID_PLACEHOLDER not in card and f'AutoModel.from_pretrained("{REPO_ID}"' in card
+    assert operations["README.md"].path_or_fileobj == card.encode("utf-8")
 
     fake_hub.clear()
     with pytest.warns(UserWarning, match="does not mention other-org/other-name"):
@@ -422,6 +446,36 @@ def test_push_calls_the_hub_api(bare, tmp_path, fake_hub, monkeypatch, capsys):
     assert main(["push", str(folder), "--repo-id", REPO_ID, "--public"]) == 0
     assert fake_hub[0][1] == "hf_from_env" and fake_hub[0][3]["private"] is False
     assert "public" in capsys.readouterr().out
+
+
+def folder_snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+
+
+def http_error(status: int):
+    import httpx2 as httpx  # huggingface_hub 2.x raises with httpx2 responses
+    from huggingface_hub.errors import HfHubHTTPError
+
+    response = httpx.Response(status, request=httpx.Request("POST", "https://huggingface.co/api/repos/create"))
+    return HfHubHTTPError(f"{status} Client Error: Unauthorized for url", response=response)
+
+
+@pytest.mark.parametrize("failing", ["create_repo", "upload"])
+def test_a_failed_push_leaves_the_folder_unchanged(bare, tmp_path, fake_hub, monkeypatch, capsys, failing):
+    """Issue #13 B9: a bad token (401) used to leave the card rewritten with the repo id."""
+    folder = Path(shutil.copytree(bare, tmp_path / "repo"))
+    before = folder_snapshot(folder)
+
+    def refuse(self, *args, **kwargs):
+        raise http_error(401)
+
+    monkeypatch.setattr(HfApi, "create_repo" if failing == "create_repo" else "create_commit", refuse)
+    with pytest.raises(ValueError, match=r"refused.*401.*hf auth login"):
+        push_folder(folder, REPO_ID, token="hf_bad")
+    assert main(["push", str(folder), "--repo-id", REPO_ID]) == 1
+    assert "hf-dflash push: error:" in capsys.readouterr().err
+    assert folder_snapshot(folder) == before
+    assert REPO_ID_PLACEHOLDER in (folder / "README.md").read_text()
 
 
 def test_push_without_token_explains_login(bare, tmp_path, fake_hub, monkeypatch):

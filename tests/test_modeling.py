@@ -163,3 +163,55 @@ def test_sliding_window_mask_is_causal_in_block_and_windowed_on_context():
     )
     assert torch.equal(mask, expected)
     assert dflash_attention_mask(torch.ones(1, 8), 3, 8, None) is None  # nothing masked: SDPA runs unmasked
+
+
+@pytest.mark.parametrize(
+    "num_target_layers, target_layer_ids", [(6, [0, 2, 4]), (6, [5]), (3, [0, 2]), (2, [1])],
+    ids=["six_layers", "one_feature", "shallow", "two_layers"],
+)
+def test_from_target_config_honours_explicit_target_layer_ids(tiny_target, num_target_layers, target_layer_ids):
+    tiny_target.config.num_hidden_layers = num_target_layers
+    config = DFlashConfig.from_target_config(tiny_target.config, target_layer_ids=target_layer_ids)
+    assert config.target_layer_ids == target_layer_ids and config.num_target_layers == num_target_layers
+    assert DFlashDraftModel(config).fc.in_features == len(target_layer_ids) * 32
+
+
+def test_from_target_config_refuses_ids_that_contradict_the_feature_count(tiny_target):
+    with pytest.raises(ValueError, match=r"num_target_features=3.*target_layer_ids=\[0, 2\]"):
+        DFlashConfig.from_target_config(tiny_target.config, target_layer_ids=[0, 2], num_target_features=3)
+    assert DFlashConfig.from_target_config(tiny_target.config, num_target_features=2).target_layer_ids == [1, 3]
+
+
+def test_non_causal_sliding_window_mask_sees_the_whole_block_and_a_window_of_context():
+    mask = dflash_attention_mask(None, query_length=3, key_length=8, sliding_window=4, block_causal=False)[0, 0]
+    expected = torch.tensor(
+        [
+            [0, 0, 1, 1, 1, 1, 1, 1],  # query at index 5 sees context 2..4 and every block key (5..7)
+            [0, 0, 0, 1, 1, 1, 1, 1],
+            [0, 0, 0, 0, 1, 1, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(mask, expected)
+
+
+@pytest.mark.parametrize("non_causal", [False, True])
+def test_sliding_layer_semantics_is_a_config_field(non_causal):
+    """sliding_window_non_causal=False (SpecForge, default): slot 0 cannot see later block slots;
+    True (vLLM speculators' sliding_window_non_causal, z-lab's is_causal=false): it can."""
+    drafter = tiny_drafter(
+        layer_types=["sliding_attention", "sliding_attention"], sliding_window=16, sliding_window_non_causal=non_causal
+    )
+    assert drafter.config.sliding_window_non_causal is non_causal
+    context, block = context_and_block()
+    changed = block.clone()
+    changed[:, 2] += 1.0
+    with torch.no_grad():
+        first = drafter(noise_embeds=block, context_hidden_states=context).last_hidden_state
+        second = drafter(noise_embeds=changed, context_hidden_states=context).last_hidden_state
+    assert torch.equal(first[:, :2], second[:, :2]) is not non_causal
+
+
+def test_sliding_window_non_causal_must_be_a_bool():
+    with pytest.raises(ValueError, match="sliding_window_non_causal"):
+        tiny_config(sliding_window_non_causal="yes")

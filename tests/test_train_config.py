@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from huggingface_hub import ModelCard
 
@@ -108,3 +109,139 @@ def test_training_writes_record_and_a_dflash_card(run_config):
     assert {"dflash", "speculative-decoding", "block-diffusion"} <= set(card.data.tags)
     assert card.data.library_name == "transformers" and "No training record was provided" not in card.text
     assert "| block_size | 4 (anchor + 3 drafted tokens) |" in card.text
+
+
+# ---------------------------------------------------------------- the YAML is validated up front (issue #13 B3)
+
+
+def edited(run_config, tmp_path, edit, name="edited.yaml"):
+    config = yaml.safe_load(run_config.read_text())
+    edit(config)
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: c["drafter"].update(num_layers=2), r"drafter\.num_layers: unknown key.*num_hidden_layers"),
+        (lambda c: c["data"].update(tokenised="x"), r"data\.tokenised: unknown key.*tokenized"),
+        (lambda c: c["training"].update(learning_rte=1e-3), r"training\.learning_rte: unknown key.*learning_rate"),
+        (lambda c: c.update(lora={"rank": 8}), r"lora\.rank: unknown key.*\br\b"),
+        (lambda c: c["training"].update(learning_rate="fast"), r"training\.learning_rate: expected float, got str 'fast'"),
+        (lambda c: c["training"].update(block_size="4"), r"training\.block_size: expected int, got str '4'"),
+        (lambda c: c["training"].update(block_size=True), r"training\.block_size: expected int, got bool"),
+        (lambda c: c["drafter"].update(num_hidden_layers=2.5), r"drafter\.num_hidden_layers: expected int, got float"),
+        (lambda c: c["drafter"].update(target_layer_ids=[1, "x"]), r"drafter\.target_layer_ids: expected list\[int\]"),
+        (lambda c: c["data"].update(eval_samples="2"), r"data\.eval_samples: expected int, got str"),
+        (lambda c: c["data"].pop("tokenized"), r"data\.tokenized: missing \(expected str\)"),
+        (lambda c: c["training"].pop("output_dir"), r"training\.output_dir: missing \(expected str\)"),
+        (lambda c: c.pop("data"), r"data: missing section"),
+        (lambda c: c.update(drafter=[1, 2]), r"drafter: expected a mapping"),
+        (lambda c: c.update(target_dtype="float8"), r"target_dtype: expected one of"),
+        (lambda c: c["drafter"].update(init_from="x"), r"drafter\.num_hidden_layers: ignored with drafter\.init_from"),
+    ],
+    ids=["drafter_typo", "data_typo", "training_typo", "lora_typo", "float", "int_as_str", "bool_as_int",
+         "float_as_int", "list_item", "data_int", "no_tokenized", "no_output_dir", "no_data", "not_mapping",
+         "dtype", "init_from_with_sizes"],
+)
+def test_each_config_problem_is_named_with_section_key_and_type(run_config, tmp_path, edit, message):
+    with pytest.raises(ValueError, match=message):
+        load_train_config(edited(run_config, tmp_path, edit))
+
+
+def test_all_problems_are_reported_at_once_and_the_cli_prints_no_traceback(run_config, tmp_path, capsys):
+    from hf_dflash.cli import main
+
+    def three_problems(config):
+        config["drafter"]["num_layers"] = 2
+        config["training"]["learning_rate"] = "fast"
+        config["data"].pop("tokenized")
+
+    path = edited(run_config, tmp_path, three_problems)
+    with pytest.raises(ValueError) as error:
+        load_train_config(path)
+    lines = [line for line in str(error.value).splitlines() if line.startswith("  - ")]
+    assert len(lines) == 3, error.value
+    assert main(["train", "--config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("hf-dflash train: error:") and "Traceback" not in err and "drafter.num_layers" in err
+
+
+def test_yaml_exponent_floats_are_accepted(run_config, tmp_path):
+    """PyYAML reads `6e-4` (no dot) as a string; it is the float the user meant."""
+    path = tmp_path / "exp.yaml"
+    path.write_text(run_config.read_text().replace("training:\n", "training:\n  learning_rate: 6e-4\n"))
+    assert load_train_config(path)["training"]["learning_rate"] == pytest.approx(6e-4)
+
+
+# ---------------------------------------------------------------- interrupted saves, finished runs (B4, B5)
+
+
+def test_an_interrupted_checkpoint_save_is_skipped_on_resume(run_config, monkeypatch, capsys):
+    """SIGINT while checkpoint-4 is written leaves its weights without trainer_state.json."""
+    from hf_dflash.trainer.trainer import DFlashTrainer
+
+    original = DFlashTrainer._save_optimizer_and_scheduler
+
+    def interrupted_at_step_4(self, output_dir):
+        if output_dir.endswith("checkpoint-4"):
+            raise KeyboardInterrupt
+        return original(self, output_dir)
+
+    config = load_train_config(run_config)
+    config["training"]["eval_strategy"] = "no"
+    monkeypatch.setattr(DFlashTrainer, "_save_optimizer_and_scheduler", interrupted_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        train_from_config(config)
+    output = Path(config["training"]["output_dir"])
+    assert (output / "checkpoint-4" / "model.safetensors").is_file()
+    assert not (output / "checkpoint-4" / "trainer_state.json").exists()
+    monkeypatch.setattr(DFlashTrainer, "_save_optimizer_and_scheduler", original)
+    capsys.readouterr()
+    trainer = train_from_config(config)
+    out = capsys.readouterr().out
+    assert "checkpoint-4" in out and "incomplete" in out and "resuming from" in out and "checkpoint-2" in out
+    assert trainer.state.global_step == 4
+    assert load_drafter(output).config.block_size == 4
+
+
+def test_rerunning_a_finished_run_leaves_it_alone(run_config, capsys):
+    config = load_train_config(run_config)
+    first = train_from_config(config)
+    output = Path(first.args.output_dir)
+    written = {p.name: p.stat().st_mtime_ns for p in output.iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert train_from_config(load_train_config(run_config)) is None
+    assert "Training already finished" in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in output.iterdir() if p.is_file()} == written
+    assert not (output / "checkpoint-5").exists()
+
+
+def test_cli_says_a_finished_run_is_left_alone(run_config, capsys):
+    from hf_dflash.cli import main
+
+    assert main(["train", "--config", str(run_config)]) == 0
+    capsys.readouterr()
+    assert main(["train", "--config", str(run_config)]) == 0
+    out = capsys.readouterr().out
+    assert "Training already finished" in out and "Saved the trained drafter" not in out
+
+
+# ---------------------------------------------------------------- training.seed seeds the drafter (B6)
+
+
+def test_training_seed_seeds_the_drafter_initialisation(run_config, tmp_path):
+    def weights(seed, name):
+        config = load_train_config(run_config)
+        config["training"].update(
+            output_dir=str(tmp_path / name), seed=seed, learning_rate=0.0, max_steps=1, eval_strategy="no",
+            save_strategy="no",
+        )
+        train_from_config(config)
+        return load_drafter(tmp_path / name).state_dict()
+
+    first, again, other = weights(7, "a"), weights(7, "b"), weights(8, "c")
+    assert all(torch.equal(first[key], again[key]) for key in first)
+    assert not all(torch.equal(first[key], other[key]) for key in first)

@@ -13,8 +13,8 @@ from ..dtypes import describe_dtype
 from .loading import load_bench_models, load_bench_target, machine_description
 from .methods import METHODS, PROMPT_LOOKUP_NUM_TOKENS, check_methods
 from .plots import write_plots
-from .prompts import EVAL_SETS, load_prompt_sets
-from .report import build_report, format_table, write_report
+from .prompts import EVAL_SETS, select_prompt_sets
+from .report import build_report, format_table, prompts_run_line, write_report
 from .runner import run_benchmark
 from .summary import summarize
 
@@ -45,7 +45,7 @@ def run_bench(
     drafter: str,
     sets: Sequence[str] = tuple(EVAL_SETS),
     prompts: str | None = None,
-    num_prompts: int = 8,
+    num_prompts: int | None = None,
     max_new_tokens: int = 256,
     dtype: str = "auto",
     temperature: float = 0.0,
@@ -57,7 +57,8 @@ def run_bench(
     progress: bool = True,
 ) -> dict:
     """Benchmark `methods` with `target` + `drafter` on the sets and/or prompts file; write `out/bench.json`,
-    `out/benchmark.json` (model card) and the PNG plots; print the table. Returns the report."""
+    `out/benchmark.json` (model card) and the PNG plots; print the table. Returns the report.
+    `num_prompts` (0 = all) per set; None: 8 per built-in set and every prompt of the file."""
     options = {
         "target": target,
         "drafter": drafter,
@@ -75,7 +76,8 @@ def run_bench(
     if block_size_policy != "recommended":
         options["block_size_policy"] = block_size_policy  # the default stays out of the command line
     check_methods(methods)
-    prompt_sets = load_prompt_sets(sets, prompts, num_prompts, seed)
+    prompt_sets, pool_sizes = select_prompt_sets(sets, prompts, num_prompts, seed)
+    prompts_run = {name: [len(records), pool_sizes[name]] for name, records in prompt_sets.items()}
     models = load_bench_models(target, drafter, dtype=dtype, device=device, seed=seed)
     options["device"] = str(models.target.device)
     dtype_note = describe_dtype(dtype, models.target.device)
@@ -88,7 +90,7 @@ def run_bench(
     models.drafter.block_size_policy = parse_block_size_policy(block_size_policy, models.drafter.config.block_size)
     print(
         f"Target: {target} ({dtype_note}, {models.target.device}). Drafter: {models.drafter_description}.\n"
-        f"Sets: " + ", ".join(f"{name} ({len(records)})" for name, records in prompt_sets.items())
+        f"Prompts run: {prompts_run_line(prompts_run)}"
         + f"; methods {', '.join(methods)}, interleaved per prompt; max {max_new_tokens} new tokens, "
         + ("greedy." if temperature <= 0 else f"sampling at temperature {temperature} (seed {seed}).")
     )
@@ -120,6 +122,7 @@ def run_bench(
         "temperature": temperature,
         "seed": seed,
         "num_prompts": num_prompts,
+        "prompts_run": prompts_run,  # {set: [run, of]}
         "methods": list(methods),
         "prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS,
         "order": "all methods on each prompt before the next, method order rotated per prompt",

@@ -12,7 +12,7 @@ import transformers
 from ..checkpoints import load_drafter
 from ..modeling_dflash import DFlashConfig, DFlashDraftModel
 from ..dtypes import AUTO, cpu_flags, resolve_dtype
-from ..models import load_any_target
+from ..models import load_any_target, resolve_device
 
 __all__ = ["RANDOM_DRAFTER", "BenchModels", "load_bench_models", "machine_description", "random_drafter"]
 
@@ -57,7 +57,7 @@ def load_bench_models(
     """Load the target in `dtype` on `device` (default: CUDA when available) and the drafter cast to the same
     dtype: a checkpoint folder in either format (`load_drafter`), or "random" for an untrained 3-layer drafter.
     `dtype="auto"` picks the fast dtype for the device (`hf_dflash.dtypes.choose_dtype`)."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     model, tokenizer = load_bench_target(target, dtype)
     model.to(device)

@@ -14,7 +14,7 @@ from pathlib import Path
 from ..data.corpus import read_prompts_file
 from ..data.sources import load_source
 
-__all__ = ["EVAL_SETS", "load_prompt_sets", "sample_records"]
+__all__ = ["DEFAULT_SET_PROMPTS", "EVAL_SETS", "load_prompt_sets", "sample_records", "select_prompt_sets"]
 
 # benchmark set name -> evaluation source in hf_dflash.data.sources
 EVAL_SETS = {
@@ -25,6 +25,8 @@ EVAL_SETS = {
     "mt-bench": "mt-bench",
     "alpaca-eval": "alpaca-eval",
 }
+# Prompts sampled per built-in set when `num_prompts` is not given; a prompts file runs whole.
+DEFAULT_SET_PROMPTS = 8
 
 
 def sample_records(records: list[dict], num_prompts: int, seed: int, name: str) -> list[dict]:
@@ -37,23 +39,41 @@ def sample_records(records: list[dict], num_prompts: int, seed: int, name: str) 
     return random.Random(f"{seed}:{name}").sample(records, num_prompts)
 
 
-def load_prompt_sets(
+def select_prompt_sets(
     sets: Sequence[str] = tuple(EVAL_SETS),
     prompts_file: str | Path | None = None,
-    num_prompts: int = 8,
+    num_prompts: int | None = None,
     seed: int = 0,
-) -> dict[str, list[dict]]:
-    """Sampled records per set name: each of `sets` (names of `EVAL_SETS`), then `prompts_file` under its
-    file stem. Raises ValueError for an unknown set, an empty selection or a malformed prompts file."""
+) -> tuple[dict[str, list[dict]], dict[str, int]]:
+    """(sampled records per set name, the size each was sampled from): each of `sets` (names of
+    `EVAL_SETS`), then `prompts_file` under its file stem. `num_prompts` (0 = all) applies to every
+    set; None means `DEFAULT_SET_PROMPTS` per built-in set and the whole prompts file. Raises
+    ValueError for an unknown set, an empty selection, a missing, empty or malformed prompts file."""
     unknown = [name for name in sets if name not in EVAL_SETS]
     if unknown:
         raise ValueError(f"Unknown benchmark set(s) {unknown}; known: {', '.join(EVAL_SETS)} (or --prompts FILE).")
-    prompt_sets = {name: sample_records(load_source(EVAL_SETS[name]), num_prompts, seed, name) for name in sets}
+    pools = {name: load_source(EVAL_SETS[name]) for name in sets}
     if prompts_file is not None:
         name = Path(prompts_file).stem
-        if name in prompt_sets or name == "overall":
+        if name in pools or name == "overall":
             raise ValueError(f"The prompts file {prompts_file} is named like the report's set {name!r}; rename it.")
-        prompt_sets[name] = sample_records(read_prompts_file(prompts_file), num_prompts, seed, name)
+        pools[name] = read_prompts_file(prompts_file, require_prompts=True)
+    prompt_sets = {}
+    for name, records in pools.items():
+        count = num_prompts
+        if count is None:
+            count = 0 if prompts_file is not None and name == Path(prompts_file).stem else DEFAULT_SET_PROMPTS
+        prompt_sets[name] = sample_records(records, count, seed, name)
     if not any(prompt_sets.values()):
         raise ValueError("No prompts to benchmark: give --sets and/or a non-empty --prompts file.")
-    return prompt_sets
+    return prompt_sets, {name: len(records) for name, records in pools.items()}
+
+
+def load_prompt_sets(
+    sets: Sequence[str] = tuple(EVAL_SETS),
+    prompts_file: str | Path | None = None,
+    num_prompts: int | None = None,
+    seed: int = 0,
+) -> dict[str, list[dict]]:
+    """The sampled records per set name of `select_prompt_sets`."""
+    return select_prompt_sets(sets, prompts_file, num_prompts, seed)[0]

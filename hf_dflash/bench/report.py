@@ -33,7 +33,7 @@ from .card import benchmark_card
 from .runner import Sample
 from .summary import OVERALL
 
-__all__ = ["REPORT_NAME", "build_report", "format_table", "write_report"]
+__all__ = ["REPORT_NAME", "build_report", "format_table", "prompts_run_line", "write_report"]
 
 REPORT_NAME = "bench.json"
 
@@ -68,6 +68,11 @@ def write_report(report: dict, out_dir: str | Path) -> list[Path]:
     for name, document in documents.items():
         (out / name).write_text(json.dumps(document, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return [out / name for name in documents]
+
+
+def prompts_run_line(prompts_run: dict) -> str:
+    """E.g. "gsm8k: 8 of 1319 prompts, mine: 20 of 20 prompts" from settings["prompts_run"]."""
+    return ", ".join(f"{name}: {run} of {total} prompts" for name, (run, total) in prompts_run.items())
 
 
 def _number(value: float | None, pattern: str) -> str:
@@ -118,6 +123,8 @@ def format_table(report: dict) -> str:
             "dtypes: " + ", ".join(f"{method} {dtype}" for method, dtype in dtypes.items())
             + "; speed-ups are against the faster plain decoding of each set (marked baseline)"
         )
+    if report["settings"].get("prompts_run"):
+        text.append("prompts run: " + prompts_run_line(report["settings"]["prompts_run"]))
     for divergence in report["divergences"]:
         text.append(
             f"divergence: {divergence['set']} {divergence['prompt_id']} turn {divergence['turn']} "

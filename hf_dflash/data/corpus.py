@@ -29,7 +29,15 @@ from pathlib import Path
 from .shards import check_stage_config, write_atomic, write_jsonl_atomic
 from .sources import TEMPLATE_PHRASES, TRAIN_SOURCES, load_eval_suite, load_source
 
-__all__ = ["NGRAM", "EvalIndex", "build_corpus", "build_eval_index", "find_contamination", "read_prompts_file"]
+__all__ = [
+    "NGRAM",
+    "EvalIndex",
+    "build_corpus",
+    "build_eval_index",
+    "check_prompts_file",
+    "find_contamination",
+    "read_prompts_file",
+]
 
 NGRAM = 13
 WORD = re.compile(r"\w+")
@@ -126,9 +134,19 @@ def parse_prompt_line(row: object, where: str) -> list[dict]:
     return kept
 
 
-def read_prompts_file(path: str | Path) -> list[dict]:
-    """Records (source "user") from a JSONL prompt file; ValueError with the line number on a bad line."""
-    path, records, seen = Path(path), [], set()
+def check_prompts_file(path: str | Path) -> Path:
+    """`path` as a Path; ValueError when it is not an existing file."""
+    path = Path(path)
+    if not path.is_file():
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise ValueError(f"The prompts file {path} {what}; give a JSONL file of {{\"prompt\": ...}} or {{\"messages\": [...]}} lines.")
+    return path
+
+
+def read_prompts_file(path: str | Path, require_prompts: bool = False) -> list[dict]:
+    """Records (source "user") from a JSONL prompt file; ValueError with the line number on a bad line,
+    for a missing file, and (`require_prompts`) for a file without any prompt."""
+    path, records, seen = check_prompts_file(path), [], set()
     with open(path, encoding="utf-8") as handle:
         for line_number, line in enumerate(handle, 1):
             if not line.strip():
@@ -144,6 +162,8 @@ def read_prompts_file(path: str | Path) -> list[dict]:
                 raise ValueError(f"{where}: id {key!r} repeats an earlier line's.")
             seen.add(key)
             records.append({"id": f"user:{key}", "source": "user", "messages": messages})
+    if require_prompts and not records:
+        raise ValueError(f"The prompts file {path} holds no prompts (only blank lines); nothing to do.")
     return records
 
 
@@ -172,6 +192,8 @@ def build_corpus(
     unknown = [name for name in sources if name not in TRAIN_SOURCES]
     if unknown:
         raise ValueError(f"Unknown training source(s) {unknown}; choose from {', '.join(TRAIN_SOURCES)}.")
+    if prompts_file is not None:
+        check_prompts_file(prompts_file)
     if not sources and prompts_file is None:
         raise ValueError("No prompts: give training sources and/or a prompts file.")
     if max_prompts is not None and max_prompts < 1:

@@ -25,7 +25,7 @@ def generate_file(
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
-    records = read_prompts_file(prompts_file)
+    records = read_prompts_file(prompts_file, require_prompts=True)
     texts = [tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False) for r in records]
     order = sorted(range(len(records)), key=lambda i: len(texts[i]))
     tokenizer.padding_side = "left"
@@ -73,6 +73,7 @@ def run_generate(args) -> dict:
     from ..bench.loading import RANDOM_DRAFTER, load_bench_models
     from .adaptive import parse_block_size_policy
 
+    read_prompts_file(args.prompts, require_prompts=True)  # a bad prompts file fails before any model loads
     models = load_bench_models(args.target, RANDOM_DRAFTER if args.drafter == "none" else args.drafter, args.dtype)
     drafter = None if args.drafter == "none" else models.drafter
     if drafter is not None:

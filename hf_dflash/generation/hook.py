@@ -4,7 +4,10 @@
 and dispatches to `GenerationMixin._assisted_decoding`. On import of `hf_dflash` we wrap both, once:
   - validation: a `DFlashDraftModel` assistant is checked by `check_pairing` first, so a mismatch
     gets our error naming the value and the fix (Transformers would call a vocab mismatch a
-    "different tokenizers" problem);
+    "different tokenizers" problem), and by `check_dflash_generation_options`, the one place that
+    refuses options DFlash cannot serve (prompt lookup, beam search, ...) instead of dropping them;
+    a DFlash drafter built by other code (z-lab's class, a plain Qwen3Model from an official folder)
+    is refused with the way to load ours, never run as a plain autoregressive assistant;
   - decoding: a `DFlashDraftModel` assistant runs our loop, unless the caller explicitly asked for
     Transformers' own loop with `speculation_type="dflash"`.
 Every other call (normal assistant models, prompt lookup, MTP, early exit, ...) reaches the
@@ -13,8 +16,10 @@ original methods unchanged, with the same arguments. Checked against Transformer
 
 import functools
 
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerationMixin
 
+from ..foreign_formats import looks_like_dflash_drafter
 from ..modeling_dflash import DFlashDraftModel
 from .decoding import dflash_decoding
 from .pairing import check_pairing
@@ -23,6 +28,55 @@ from .pairing import check_pairing
 def uses_dflash(assistant_model, generation_config) -> bool:
     """Whether our loop should serve this assisted-generation call."""
     return isinstance(assistant_model, DFlashDraftModel) and generation_config.speculation_type != "dflash"
+
+
+# What each decoding mode that cannot use an assistant is called by the options that select it.
+_MODE_OPTIONS = {
+    GenerationMode.BEAM_SEARCH: "num_beams={num_beams} (beam search)",
+    GenerationMode.BEAM_SAMPLE: "num_beams={num_beams} with do_sample=True (beam sampling)",
+    GenerationMode.GROUP_BEAM_SEARCH: "num_beams={num_beams} with num_beam_groups (group beam search)",
+    GenerationMode.CONSTRAINED_BEAM_SEARCH: "constraints / force_words_ids (constrained beam search)",
+    GenerationMode.CONTRASTIVE_SEARCH: "penalty_alpha with top_k (contrastive search)",
+    GenerationMode.DOLA_GENERATION: "dola_layers (DoLa decoding)",
+}
+
+
+def check_dflash_generation_options(generation_mode, generation_config) -> None:
+    """Refuse `generate` options that a DFlash assistant cannot serve, instead of dropping them silently.
+
+    - `prompt_lookup_num_tokens`: stock Transformers would give prompt lookup precedence over the
+      assistant, our loop would ignore it. Refused until the hybrid DFlash + n-gram mode lands (it
+      replaces this check).
+    - a decoding mode other than greedy / sampling (beam search, contrastive search, DoLa, ...):
+      Transformers only warns and decodes without the drafter.
+    """
+    if generation_config.prompt_lookup_num_tokens is not None:
+        raise ValueError(
+            f"prompt_lookup_num_tokens={generation_config.prompt_lookup_num_tokens} cannot be combined with a "
+            "DFlash assistant_model (the n-gram candidates would be dropped silently); use one of them."
+        )
+    if generation_mode not in (GenerationMode.ASSISTED_GENERATION, GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        options = _MODE_OPTIONS.get(generation_mode, str(generation_mode)).format(num_beams=generation_config.num_beams)
+        raise ValueError(
+            f"{options} cannot use a DFlash assistant_model: speculative decoding serves greedy decoding and "
+            "sampling only, and the drafter would be ignored. Drop the assistant or those options."
+        )
+
+
+def refuse_foreign_dflash_drafter(assistant_model) -> None:
+    """A DFlash drafter object that is not our `DFlashDraftModel` would run as an ordinary autoregressive
+    assistant (plain assisted decoding with a block-diffusion model): raise with the way to load ours."""
+    if assistant_model is None or isinstance(assistant_model, DFlashDraftModel):
+        return
+    if looks_like_dflash_drafter(assistant_model):
+        cls = type(assistant_model)
+        source = getattr(getattr(assistant_model, "config", None), "name_or_path", "") or "PATH"
+        raise ValueError(
+            f"assistant_model is a DFlash drafter built by other code ({cls.__module__}.{cls.__name__}); "
+            "Transformers would run it as a plain autoregressive assistant. Load it with "
+            f"hf_dflash.load_drafter({source!r}), or convert this object with "
+            "hf_dflash.drafter_from_model(assistant_model)."
+        )
 
 
 def install_generate_hook() -> None:
@@ -36,7 +90,11 @@ def install_generate_hook() -> None:
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
         assistant_model = generation_mode_kwargs.get("assistant_model")
         if isinstance(assistant_model, DFlashDraftModel):
+            assistant_model.last_acceptance = None  # a refused call must not leave the previous call's stats
+            check_dflash_generation_options(generation_mode, generation_config)
             check_pairing(self, assistant_model)
+        elif generation_config.speculation_type != "dflash":  # Transformers' own DFlash loop: its assistants
+            refuse_foreign_dflash_drafter(assistant_model)
         return original_validate(self, generation_mode, generation_config, generation_mode_kwargs)
 
     @functools.wraps(original_decoding)

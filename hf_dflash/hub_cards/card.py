@@ -90,6 +90,29 @@ def _training_context(record: dict) -> dict:
     }
 
 
+def attention_description(config: DFlashConfig) -> str:
+    """What the drafter's layers attend to, in the words engines differ on (SPEC §1): full-attention
+    layers are bidirectional inside the block and see all context; sliding-window layers are causal
+    inside the block (SpecForge) or bidirectional (`sliding_window_non_causal`), windowed on the context."""
+    full = config.layer_types.count("full_attention")
+    sliding = config.layer_types.count("sliding_attention")
+    parts = []
+    if full:
+        parts.append(f"{full} full-attention layer{'s' * (full != 1)}: bidirectional inside the block, all context")
+    if sliding:
+        inside = (
+            "bidirectional inside the block (vLLM speculators' semantics, z-lab's `is_causal: false`)"
+            if config.sliding_window_non_causal
+            else "causal inside the block (SpecForge's semantics)"
+        )
+        flag = str(config.sliding_window_non_causal).lower()
+        parts.append(
+            f"{sliding} sliding-window layer{'s' * (sliding != 1)} (window {config.sliding_window}): {inside}, "
+            f"windowed on the context; config `sliding_window_non_causal: {flag}`"
+        )
+    return "; ".join(parts)
+
+
 def render_model_card(
     config: DFlashConfig,
     target_id: str,
@@ -136,6 +159,8 @@ def render_model_card(
         num_target_layers=config.num_target_layers,
         target_layer_ids=list(config.target_layer_ids),
         mask_token_id=config.mask_token_id,
+        attention=attention_description(config),
+        has_sliding_layers="sliding_attention" in config.layer_types,
         num_parameters=_count(num_parameters) if num_parameters is not None else "unknown",
         weights_dtype=weights_dtype,
         benchmark=_benchmark_context(bench) if bench is not None else None,

@@ -28,6 +28,9 @@ from pathlib import Path
 
 import huggingface_hub
 import torch
+from huggingface_hub import CommitOperationAdd
+from huggingface_hub.errors import HfHubHTTPError
+from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 
 from ..checkpoints import CONFIG_NAME, _as_dtype, load_drafter, save_hub, save_official
 from .card import REPO_ID_PLACEHOLDER, render_model_card
@@ -110,6 +113,17 @@ def export_drafter(
     return out
 
 
+def _upload_operations(folder: Path, card: str) -> list[CommitOperationAdd]:
+    """One commit's additions: every file of `folder` (minus `.git` / `.cache/huggingface`, as
+    `upload_folder` skips them), with `README.md` taken from `card` instead of the file on disk."""
+    files = {path.relative_to(folder).as_posix(): path for path in sorted(folder.glob("**/*")) if path.is_file()}
+    kept = filter_repo_objects(files, ignore_patterns=DEFAULT_IGNORE_PATTERNS)
+    return [
+        CommitOperationAdd(path_in_repo=name, path_or_fileobj=card.encode("utf-8") if name == "README.md" else str(files[name]))
+        for name in kept
+    ]
+
+
 def push_folder(
     out_dir: str | os.PathLike,
     repo_id: str,
@@ -117,10 +131,12 @@ def push_folder(
     token: str | None = None,
 ) -> str:
     """Create `repo_id` on the Hub (private by default; an existing repo keeps its visibility) and
-    upload the folder written by `export_drafter`. Returns the repository URL.
+    upload the folder written by `export_drafter` in one commit. Returns the repository URL.
 
-    A card exported without `repo_id` gets the id written into its usage snippets first.
-    Without a token (`token=`, `HF_TOKEN` or `hf auth login`) raises a ValueError saying how to log in.
+    A card exported without `repo_id` gets the id written into its usage snippets: in the upload,
+    and in the local `README.md` only once the upload succeeded (a refused token or a failed upload
+    leaves the folder exactly as it was). Without a token (`token=`, `HF_TOKEN` or `hf auth login`),
+    or with one the Hub refuses, raises a ValueError saying how to log in.
     """
     folder = Path(out_dir)
     _check_hub_id(repo_id, "repo_id")
@@ -134,7 +150,7 @@ def push_folder(
     card_file = folder / "README.md"
     card = card_file.read_text(encoding="utf-8")
     if REPO_ID_PLACEHOLDER in card:
-        card_file.write_text(card.replace(REPO_ID_PLACEHOLDER, repo_id), encoding="utf-8")
+        card = card.replace(REPO_ID_PLACEHOLDER, repo_id)
     elif f'"{repo_id}"' not in card:
         warnings.warn(
             f"{card_file} does not mention {repo_id}: its usage snippets load another repository. "
@@ -143,13 +159,23 @@ def push_folder(
         )
 
     api = huggingface_hub.HfApi(token=token)
-    url = api.create_repo(repo_id=repo_id, repo_type="model", private=private, exist_ok=True)
-    api.upload_folder(
-        repo_id=repo_id,
-        repo_type="model",
-        folder_path=str(folder),
-        commit_message="Upload DFlash drafter (hf-dflash export)",
-    )
+    try:
+        url = api.create_repo(repo_id=repo_id, repo_type="model", private=private, exist_ok=True)
+        api.create_commit(
+            repo_id=repo_id,
+            repo_type="model",
+            operations=_upload_operations(folder, card),
+            commit_message="Upload DFlash drafter (hf-dflash export)",
+        )
+    except HfHubHTTPError as error:
+        status = getattr(error.response, "status_code", None)
+        if status in (401, 403):
+            raise ValueError(f"The Hub refused the token for {repo_id} ({error}); {LOGIN_HINT}.") from None
+        raise ValueError(f"Pushing {folder} to {repo_id} failed ({error}); {folder} is unchanged.") from None
+    except OSError as error:  # no connection, offline mode
+        raise ValueError(f"Pushing {folder} to {repo_id} failed ({error}); {folder} is unchanged.") from None
+    if card_file.read_text(encoding="utf-8") != card:  # the folder now matches what was uploaded
+        card_file.write_text(card, encoding="utf-8")
     return str(url)
 
 

@@ -7,6 +7,44 @@ remote code, next to `modeling_dflash.py`.
 from transformers import PreTrainedConfig
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# A checkpoint's config.json must state these: the class defaults describe Qwen3-8B, and a drafter
+# run with another mask row or other target layers drafts garbage without any error.
+CHECKPOINT_REQUIRED_FIELDS = ("mask_token_id", "target_layer_ids")
+SILENT_FALLBACK = (
+    "engines and older loaders silently fall back to a default and acceptance collapses with no error"
+)
+# Official-layout (model_type "qwen3" + dflash_config) fields copied as they are.
+OFFICIAL_DECODER_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "initializer_range",
+    "attention_bias",
+    "attention_dropout",
+    "layer_types",
+    "sliding_window",
+    "vocab_size",
+    "num_target_layers",
+    "target_hidden_size",
+)
+OFFICIAL_REQUIRED_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+    "num_target_layers",
+)
+# z-lab's DFlash2 (dynamic convolutions and a candidate selector around each layer): a different model.
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# z-lab's logit/embedding transforms (their defaults are no-ops); this drafter implements none of them.
+NEUTRAL_TRANSFORMS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
 
 
 def default_target_layer_ids(num_target_layers: int, num_target_features: int) -> list[int]:
@@ -26,6 +64,114 @@ def default_target_layer_ids(num_target_layers: int, num_target_features: int) -
         )
     step = (num_target_layers - 4) / (num_target_features - 1)
     return [round(1 + i * step) for i in range(num_target_features)]
+
+
+def check_checkpoint_fields(config_dict: dict, source: str = "config.json") -> None:
+    """Raise a `ValueError` when a Hub-format config dict lacks `mask_token_id` or `target_layer_ids`."""
+    for field in CHECKPOINT_REQUIRED_FIELDS:
+        if config_dict.get(field) is None:
+            raise ValueError(
+                f"{source} has no {field}: the class default would be used silently, and {SILENT_FALLBACK}. "
+                f"Set {field} to the value the drafter was trained with."
+            )
+
+
+def rope_parameters_from_config(config: dict) -> dict:
+    """rope_parameters from a Transformers >= 5 config dict, or from older rope_theta + rope_scaling."""
+    if isinstance(config.get("rope_parameters"), dict):
+        rope = dict(config["rope_parameters"])
+        if "full_attention" in rope and isinstance(rope["full_attention"], dict):
+            rope = dict(rope["full_attention"])
+    else:
+        rope = dict(config.get("rope_scaling") or {})
+        if "type" in rope:
+            rope.setdefault("rope_type", rope.pop("type"))
+    rope.setdefault("rope_type", "default")
+    rope.setdefault("rope_theta", float(config.get("rope_theta", 10_000.0)))
+    return rope
+
+
+def _official_sliding_semantics(config: dict, dflash: dict, source: str) -> bool:
+    """`sliding_window_non_causal` of an official config: ours (in dflash_config), or z-lab's `is_causal`
+    (None: sliding layers causal, False: every layer bidirectional); default False (SpecForge)."""
+    ours = dflash.get("sliding_window_non_causal", config.get("sliding_window_non_causal"))
+    is_causal = config.get("is_causal")
+    if is_causal is True:
+        raise ValueError(
+            f"{source}: is_causal=true makes every draft layer causal, full-attention ones included; DFlash "
+            "drafters are bidirectional inside the block, so this checkpoint cannot be served here."
+        )
+    if is_causal is False and ours is False:
+        raise ValueError(
+            f"{source}: is_causal=false (bidirectional sliding layers) contradicts "
+            "sliding_window_non_causal=false; keep one of them."
+        )
+    return bool(ours) or is_causal is False
+
+
+def dflash_kwargs_from_official(config: dict, source: str = "config.json") -> dict:
+    """`DFlashConfig` keyword arguments from an official / SpecForge / z-lab config dict
+    (`model_type: "qwen3"`, `dflash_config: {mask_token_id, target_layer_ids[, block_size]}`).
+
+    Raises a `ValueError` naming the field for a missing or conflicting DFlash field, a DFlash2
+    checkpoint, or a logit/embedding transform this drafter does not implement.
+    """
+    model_type = config.get("model_type")
+    if model_type != "qwen3":
+        raise ValueError(f"{source}: official DFlash checkpoints have model_type 'qwen3', got {model_type!r}.")
+    dflash = config.get("dflash_config")
+    if dflash is None:
+        dflash = {}
+    if not isinstance(dflash, dict):
+        raise ValueError(f"{source}: dflash_config must be a JSON object, got {dflash!r}.")
+    dflash2 = [field for field in DFLASH2_FIELDS if field in dflash or field in config]
+    if dflash2 or "DFlash2DraftModel" in (config.get("architectures") or []):
+        raise ValueError(
+            f"{source} is a DFlash2 checkpoint (DFlash2DraftModel: dynamic convolutions and a candidate "
+            f"selector, fields {dflash2 or DFLASH2_FIELDS}); hf_dflash implements DFlash (arXiv 2602.06036) "
+            "only. Serve it with z-lab/dflash."
+        )
+    for name, neutral in NEUTRAL_TRANSFORMS.items():
+        value = dflash.get(name, config.get(name, neutral))
+        if value != neutral and not (neutral is None and not value):
+            raise ValueError(
+                f"{source}: {name}={value!r} transforms the drafter's embeddings or logits, which this DFlash "
+                f"drafter does not implement (it would draft from different logits); only {neutral!r} is supported."
+            )
+    for field in CHECKPOINT_REQUIRED_FIELDS:
+        if dflash.get(field) is None:
+            found = ""
+            if config.get(field) is not None:
+                found = f" (a top-level {field}={config[field]!r} exists, but engines read dflash_config.{field})"
+            raise ValueError(
+                f"{source}: dflash_config.{field} is missing{found}; {SILENT_FALLBACK}. "
+                f"Set dflash_config.{field} to the value the drafter was trained with."
+            )
+    top, nested = config.get("block_size"), dflash.get("block_size")
+    if top is not None and nested is not None and top != nested:
+        raise ValueError(
+            f"{source}: block_size={top!r} (top-level) disagrees with dflash_config.block_size={nested!r}; "
+            "engines read one or the other, so fix the wrong one."
+        )
+    block_size = top if top is not None else nested
+    if block_size is None:
+        raise ValueError(f"{source}: block_size is missing (neither top-level nor in dflash_config).")
+    missing = [field for field in OFFICIAL_REQUIRED_FIELDS if config.get(field) is None]
+    if missing:
+        raise ValueError(f"{source}: required field(s) {missing} missing from the config.")
+
+    kwargs = {field: config[field] for field in OFFICIAL_DECODER_FIELDS if config.get(field) is not None}
+    kwargs.update(
+        rope_parameters=rope_parameters_from_config(config),
+        block_size=block_size,
+        mask_token_id=dflash["mask_token_id"],
+        target_layer_ids=list(dflash["target_layer_ids"]),
+        sliding_window_non_causal=_official_sliding_semantics(config, dflash, source),
+        tie_word_embeddings=False,
+    )
+    if config.get("draft_vocab_size") is not None:  # EAGLE-3 / speculators convention (d2t/t2d in the weights)
+        kwargs["draft_vocab_size"] = config["draft_vocab_size"]
+    return kwargs
 
 
 def choose_mask_token_id(vocab_size: int, tokenizer=None) -> int:
@@ -63,6 +209,10 @@ class DFlashConfig(PreTrainedConfig):
         num_target_layers: number of decoder layers of the target.
         vocab_size: the target's embedding rows (the drafter borrows its embedding and LM head).
         target_hidden_size: the target's hidden size (defaults to `hidden_size`).
+        sliding_window_non_causal: the semantics of `sliding_attention` layers. False (default,
+            SpecForge): causal inside the block, windowed on the context. True (vLLM speculators'
+            `sliding_window_non_causal`, z-lab's `is_causal: false`): bidirectional inside the
+            block, still windowed on the context. Full-attention layers are always bidirectional.
         draft_vocab_size: None (default) drafts over the target's whole vocabulary; N drafts over N
             target token ids only (the `d2t`/`t2d` buffers of the model say which, as in EAGLE-3 and
             vLLM speculators), computing N rows of the target's LM head instead of all of them.
@@ -71,6 +221,8 @@ class DFlashConfig(PreTrainedConfig):
             "adaptive" (chosen each round from acceptance and the measured cost of this machine), or a
             fixed k with 2 <= k <= block_size. Other loaders ignore it.
 
+    A config.json must state `mask_token_id` and `target_layer_ids` (`from_dict` raises otherwise);
+    one in the official layout (`model_type: "qwen3"` + `dflash_config`) is translated.
     The defaults describe a 5-layer drafter for Qwen3-8B (36 layers, hidden 4096).
     """
 
@@ -100,6 +252,7 @@ class DFlashConfig(PreTrainedConfig):
     mask_token_id: int | None = 151669
     num_target_layers: int = 36
     target_hidden_size: int | None = None
+    sliding_window_non_causal: bool = False
     draft_vocab_size: int | None = None
     block_size_policy: str | int | None = None
 
@@ -170,6 +323,21 @@ class DFlashConfig(PreTrainedConfig):
             )
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is not set.")
+        if not isinstance(self.sliding_window_non_causal, bool):
+            raise ValueError(
+                f"sliding_window_non_causal must be true or false, got {self.sliding_window_non_causal!r}."
+            )
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs) -> "DFlashConfig":
+        """`PreTrainedConfig.from_dict` (what `from_pretrained` and `AutoConfig` call) that refuses a
+        Hub-format dict without `mask_token_id`/`target_layer_ids` and translates the official layout."""
+        if config_dict.get("model_type") == "qwen3" and "dflash_config" in config_dict:
+            carried = {key: config_dict[key] for key in ("dtype", "torch_dtype") if key in config_dict}
+            config_dict = {**carried, **dflash_kwargs_from_official(config_dict)}
+        else:
+            check_checkpoint_fields({**config_dict, **{k: v for k, v in kwargs.items() if v is not None}})
+        return super().from_dict(config_dict, **kwargs)
 
     @classmethod
     def from_target_config(
@@ -177,21 +345,31 @@ class DFlashConfig(PreTrainedConfig):
         target_config: PreTrainedConfig,
         num_hidden_layers: int = 5,
         block_size: int = 16,
-        num_target_features: int = 5,
+        num_target_features: int | None = None,
         mask_token_id: int | None = None,
         tokenizer=None,
+        target_layer_ids: list[int] | None = None,
         **overrides,
     ) -> "DFlashConfig":
         """Derive a drafter config from the target's: sizes, heads, RoPE, vocab and default layer ids.
 
+        `target_layer_ids`, when given, wins over the default spread of `num_target_features`
+        (default 5) features, for a target of any depth; giving both with different counts is an error.
         `tokenizer` (optional) lets `choose_mask_token_id` pick a provably unused mask row.
-        `overrides` replace any derived field (e.g. `intermediate_size`, `target_layer_ids`).
+        `overrides` replace any other derived field (e.g. `intermediate_size`).
         """
         text = target_config.get_text_config()
         rope = dict(getattr(text, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10_000.0})
         if "full_attention" in rope:  # per-layer-type RoPE (Gemma 3): the drafter's layers are global
             rope = dict(rope["full_attention"])
         num_heads = text.num_attention_heads
+        if target_layer_ids is None:
+            target_layer_ids = default_target_layer_ids(text.num_hidden_layers, num_target_features or 5)
+        elif num_target_features is not None and num_target_features != len(target_layer_ids):
+            raise ValueError(
+                f"num_target_features={num_target_features} contradicts target_layer_ids={list(target_layer_ids)} "
+                f"({len(target_layer_ids)} features); pass only target_layer_ids."
+            )
         fields = {
             "vocab_size": text.vocab_size,
             "hidden_size": text.hidden_size,
@@ -206,7 +384,7 @@ class DFlashConfig(PreTrainedConfig):
             "block_size": block_size,
             "num_target_layers": text.num_hidden_layers,
             "target_hidden_size": text.hidden_size,
-            "target_layer_ids": default_target_layer_ids(text.num_hidden_layers, num_target_features),
+            "target_layer_ids": list(target_layer_ids),
             "mask_token_id": mask_token_id
             if mask_token_id is not None
             else choose_mask_token_id(text.vocab_size, tokenizer),
@@ -215,4 +393,11 @@ class DFlashConfig(PreTrainedConfig):
         return cls(**fields)
 
 
-__all__ = ["DFlashConfig", "default_target_layer_ids", "choose_mask_token_id"]
+__all__ = [
+    "DFlashConfig",
+    "check_checkpoint_fields",
+    "choose_mask_token_id",
+    "default_target_layer_ids",
+    "dflash_kwargs_from_official",
+    "rope_parameters_from_config",
+]

@@ -13,7 +13,7 @@ and returns `last_hidden_state` (B, q, H); logits = `drafter.draft_logits(last_h
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import (
@@ -39,13 +39,15 @@ def dflash_attention_mask(
     query_length: int,
     key_length: int,
     sliding_window: int | None,
+    block_causal: bool = True,
 ) -> torch.Tensor | None:
     """Boolean (B or 1, 1, q, kv) mask for block queries over [cached context, new context, block] keys.
 
-    Queries are the last `query_length` keys. Full-attention layers: every query sees every
-    non-padding key (the block is bidirectional and sees all context). Sliding layers: causal
-    inside the block and windowed on the context. Returns None when nothing is masked, so SDPA
-    runs unmasked.
+    Queries are the last `query_length` keys. Full-attention layers (`sliding_window=None`): every
+    query sees every non-padding key (the block is bidirectional and sees all context). Sliding
+    layers: a key at most `sliding_window - 1` positions before the query; inside the block causal
+    (`block_causal`, SpecForge) or bidirectional (`config.sliding_window_non_causal`). Returns None
+    when nothing is masked, so SDPA runs unmasked.
     """
     if sliding_window is None:
         if attention_mask is None or bool(attention_mask.all()):
@@ -54,7 +56,9 @@ def dflash_attention_mask(
     device = attention_mask.device if attention_mask is not None else None
     query_index = torch.arange(key_length - query_length, key_length, device=device)[:, None]
     key_index = torch.arange(key_length, device=device)[None, :]
-    mask = (key_index <= query_index) & (query_index - key_index < sliding_window)
+    mask = query_index - key_index < sliding_window  # later keys (only block keys) pass this test
+    if block_causal:
+        mask = mask & (key_index <= query_index)
     mask = mask[None, None]
     if attention_mask is not None:
         mask = mask & attention_mask[:, None, None, :key_length].bool()
@@ -274,7 +278,11 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             masks = {
                 "full_attention": dflash_attention_mask(attention_mask, query_length, key_length, None),
                 "sliding_attention": dflash_attention_mask(
-                    attention_mask, query_length, key_length, self.config.sliding_window
+                    attention_mask,
+                    query_length,
+                    key_length,
+                    self.config.sliding_window,
+                    block_causal=not self.config.sliding_window_non_causal,
                 ),
             }
 
@@ -287,7 +295,13 @@ class DFlashDraftModel(DFlashPreTrainedModel):
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """`PreTrainedModel.from_pretrained` that refuses checkpoints with missing or unexpected keys
-        (Transformers only warns, and a drafter with random layers drafts garbage silently)."""
+        (Transformers only warns, and a drafter with random layers drafts garbage silently).
+
+        A foreign `config=` (the official layout's `Qwen3Config` with `dflash_config`, which
+        `AutoModel.from_pretrained(official_folder, trust_remote_code=True)` passes) is translated."""
+        config = kwargs.get("config")
+        if isinstance(config, PreTrainedConfig) and not isinstance(config, DFlashConfig):
+            kwargs["config"] = DFlashConfig.from_dict(config.to_dict())
         wants_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         problems = {k: sorted(info.get(k) or []) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}

@@ -18,44 +18,93 @@ training:                         # DFlashTrainingArguments fields
   block_size: 16
   num_anchors: 64
 ```
-A run whose `output_dir` already holds checkpoints resumes from the last one. The final drafter (LoRA
-merged) is saved Hub-native in `output_dir`.
+The whole file is validated before anything is loaded (`config_schema`: every unknown key, wrong type
+and missing key, one line each). `training.seed` also seeds the drafter's initialisation. A run whose
+`output_dir` already holds checkpoints resumes from the last *complete* one (a checkpoint interrupted
+while it was written is skipped, and named); a run that already finished with the same config is left
+alone (`finished_run.json`). The final drafter (LoRA merged) is saved Hub-native in `output_dir`.
 """
 
+import json
+import re
 from pathlib import Path
 
 import yaml
 from torch.utils.data import Subset
-from transformers.trainer_utils import get_last_checkpoint
+from transformers import set_seed
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..checkpoints import load_drafter
 from ..hub_cards import TrainingRecordCallback, record_data_from_prepare_data
+from ..json_files import write_json_atomic
 from ..modeling_dflash import DFlashConfig, DFlashDraftModel
 from ..models import load_any_target
 from .arguments import DFlashTrainingArguments
 from ..data.packed import PackedDataset, is_packed, source_of
+from .config_schema import validate_train_config
 from .datasets import TokenizedDataset
 from .draft_vocab import draft_vocab_report, select_draft_vocab, supervised_token_counts
 from .trainer import DFlashTrainer
 
-CONFIG_SECTIONS = {"target", "target_dtype", "drafter", "data", "lora", "training"}
+FINISHED_RUN_NAME = "finished_run.json"
+TRAINER_STATE_NAME = "trainer_state.json"
+WEIGHT_NAMES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
+_CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 def load_train_config(path: str | Path) -> dict:
-    """Read and check the YAML training config (unknown sections are a ValueError)."""
+    """Read the YAML training config and validate all of it (`validate_train_config`)."""
     try:
         config = yaml.safe_load(Path(path).read_text())
     except yaml.YAMLError as error:
         raise ValueError(f"{path} is not valid YAML: {error}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} must hold a mapping with sections {sorted(CONFIG_SECTIONS)}.")
-    unknown = set(config) - CONFIG_SECTIONS
-    if unknown:
-        raise ValueError(f"{path}: unknown section(s) {sorted(unknown)}; allowed: {sorted(CONFIG_SECTIONS)}.")
-    for required in ("target", "data", "training"):
-        if required not in config:
-            raise ValueError(f"{path}: missing section {required!r}.")
-    return config
+    return validate_train_config(config, str(path))
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why a `checkpoint-N` folder cannot be resumed from (None when complete). The Trainer writes the
+    weights first and `trainer_state.json` last, so an interrupted save lacks (or truncates) the latter."""
+    state_file = folder / TRAINER_STATE_NAME
+    if not any((folder / name).is_file() for name in WEIGHT_NAMES):
+        return "no weights"
+    try:
+        state = json.loads(state_file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return f"no {TRAINER_STATE_NAME}"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return f"unreadable {TRAINER_STATE_NAME}"
+    if not isinstance(state, dict) or "global_step" not in state:
+        return f"{TRAINER_STATE_NAME} without global_step"
+    return None
+
+
+def last_complete_checkpoint(output_dir: Path) -> tuple[Path | None, dict[str, str]]:
+    """(the newest complete checkpoint folder or None, {skipped newer folder name: why})."""
+    if not output_dir.is_dir():
+        return None, {}
+    found = [(int(m.group(1)), p) for p in output_dir.iterdir() if p.is_dir() and (m := _CHECKPOINT.match(p.name))]
+    skipped = {}
+    for _, folder in sorted(found, reverse=True):
+        problem = checkpoint_problem(folder)
+        if problem is None:
+            return folder, skipped
+        skipped[folder.name] = problem
+    return None, skipped
+
+
+def _json_config(config: dict) -> dict:
+    return json.loads(json.dumps(config, default=str))
+
+
+def finished_run(output_dir: Path, config: dict) -> dict | None:
+    """The `finished_run.json` record when `output_dir` holds a finished run of exactly `config`."""
+    try:
+        record = json.loads((output_dir / FINISHED_RUN_NAME).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if isinstance(record, dict) and record.get("config") == _json_config(config) and (output_dir / "config.json").is_file():
+        return record
+    return None
 
 
 def build_drafter(section: dict, target, tokenizer, block_size: int) -> DFlashDraftModel:
@@ -106,12 +155,30 @@ def choose_draft_vocab(drafter: DFlashDraftModel, train, target) -> dict:
     return draft_vocab_report(counts, ids)
 
 
-def train_from_config(config: dict, callbacks: list | None = None) -> DFlashTrainer:
-    """Run (or resume) a training described by a config dict; returns the finished trainer.
+def train_from_config(config: dict, callbacks: list | None = None) -> DFlashTrainer | None:
+    """Run (or resume) a training described by a config dict; returns the finished trainer, or None
+    (and says so) when `output_dir` already holds a finished run of the same config.
     `callbacks` (`TrainerCallback`s) are added to the trainer's own."""
+    config = validate_train_config(config)
+    output_dir = Path(config["training"]["output_dir"])
+    if (record := finished_run(output_dir, config)) is not None:
+        print(
+            f"Training already finished: {output_dir} holds a finished run of this config (step "
+            f"{record.get('global_step')}); leaving it alone. Change the config (e.g. max_steps) to continue it, "
+            "or use a new output_dir."
+        )
+        return None
     # The card's base_model: the target as named in the config, not its cache folder.
     args = DFlashTrainingArguments(**{"target_name_or_path": config["target"], **config["training"]})
+    resume, skipped = last_complete_checkpoint(output_dir)
+    if args.process_index == 0 and skipped:
+        print(
+            "Skipping incomplete checkpoint(s) "
+            + ", ".join(f"{name} ({why}: interrupted while saving?)" for name, why in skipped.items())
+            + (f"; resuming from {resume.name}." if resume is not None else "; starting from scratch.")
+        )
     target, tokenizer = load_any_target(config["target"], config.get("target_dtype", "auto"))
+    set_seed(args.seed)  # the drafter's initialisation follows training.seed (the Trainer seeds only later)
     drafter = build_drafter(config.get("drafter"), target, tokenizer, args.block_size)
     model = drafter
     if config.get("lora"):
@@ -138,14 +205,16 @@ def train_from_config(config: dict, callbacks: list | None = None) -> DFlashTrai
     trainer = DFlashTrainer(
         model, args, target=target, train_dataset=train, eval_dataset=evaluation, callbacks=[record, *(callbacks or [])]
     )
-    last = get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
-    trainer.train(resume_from_checkpoint=last)
+    trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
     final = model.merge_and_unload() if config.get("lora") else drafter
     if trainer.is_world_process_zero():
         final.save_pretrained(args.output_dir)
         trainer.create_model_card()
     if args.push_to_hub:
         trainer.push_to_hub()
+    if trainer.is_world_process_zero():  # written last: its presence means the run is complete
+        record = {"config": _json_config(config), "global_step": trainer.state.global_step}
+        write_json_atomic(output_dir / FINISHED_RUN_NAME, record)
     return trainer
 
 

@@ -1,0 +1,154 @@
+"""DFlash layouts other than ours and the official one: what can be translated, and named errors.
+
+* vLLM speculators (`speculators_model_type: "dflash"`): the decoder nested in
+  `transformer_layer_config`; `aux_hidden_state_layer_ids` index the target's `hidden_states` tuple
+  (as vLLM's `eagle_aux_hidden_state_layer_ids`: id a = output of decoder layer a - 1), so our
+  `target_layer_ids` are those ids minus one; `mask_token_id`, `block_size`, `draft_vocab_size` and
+  `sliding_window_non_causal` top-level. The weights carry the drafter keys plus copies of the
+  verifier's embedding / LM head and the vocabulary maps `t2d`/`d2t`, which this drafter borrows from
+  the target instead. The checkpoint does not record how many layers the verifier has.
+  Loadable: full-vocabulary DFlash with the plain projector and same-position labels. Refused, each
+  by name: Domino projectors, `sample_from_anchor`, `shift_label`, reduced draft vocabularies,
+  DFlash2 / DSpark / EAGLE and other algorithms.
+* DFlash2 (z-lab's `DFlash2DraftModel`; speculators' `dflash2`): dynamic convolutions around each
+  layer and a candidate selector over the LM head: a different model, refused by name (see
+  `configuration_dflash.dflash_kwargs_from_official` for the official-layout variant).
+* A drafter object built by someone else's code (z-lab's `DFlashDraftModel`, a plain `Qwen3Model`
+  loaded from an official folder without remote code, ...): `looks_like_dflash_drafter` tells it
+  apart from an ordinary assistant model, so `generate` can refuse it instead of running plain
+  assisted decoding with a block-diffusion model.
+"""
+
+from __future__ import annotations
+
+from .modeling_dflash.configuration_dflash import (
+    CHECKPOINT_REQUIRED_FIELDS,
+    SILENT_FALLBACK,
+    rope_parameters_from_config,
+)
+
+SPECULATORS_TYPE_FIELD = "speculators_model_type"
+# Weights a speculators checkpoint may carry that belong to the verifier (the target lends them here).
+SPECULATORS_VERIFIER_COPIES = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
+                               "verifier_norm.weight", "t2d", "d2t")  # fmt: skip
+_SPECULATORS_DECODER_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "initializer_range",
+    "attention_bias",
+    "attention_dropout",
+    "layer_types",
+    "sliding_window",
+    "vocab_size",
+)
+
+
+def is_speculators_config(config: dict) -> bool:
+    """Whether a config dict is in vLLM speculators' layout."""
+    return SPECULATORS_TYPE_FIELD in config
+
+
+def dflash_kwargs_from_speculators(config: dict, source: str, num_target_layers: int | None = None) -> dict:
+    """`DFlashConfig` keyword arguments from a speculators DFlash config dict.
+
+    `num_target_layers` (the target's decoder layers) is required unless the config states it:
+    speculators checkpoints name their verifier but not its depth. Raises a `ValueError` naming the
+    field for anything this drafter cannot serve (see the module docstring).
+    """
+    algorithm = config.get(SPECULATORS_TYPE_FIELD)
+    if algorithm in ("dflash2", "dspark") or "conv_kernel_size" in config:
+        raise ValueError(
+            f"{source} is a speculators {algorithm!r} checkpoint (a DFlash2/DSpark variant with extra heads); "
+            "hf_dflash implements DFlash (arXiv 2602.06036) only. Serve it with vLLM."
+        )
+    if algorithm != "dflash":
+        raise ValueError(f"{source}: speculators_model_type {algorithm!r} is not a DFlash drafter.")
+    refusals = {
+        "projector_type": ("dflash", "a Domino correction head runs after the drafter, which this drafter lacks"),
+        "sample_from_anchor": (False, "slot 0 drafts a token too; this loop treats it as the known anchor"),
+        "shift_label": (False, "it was trained with next-token labels; DFlash predicts the same position"),
+    }
+    for field, (supported, why) in refusals.items():
+        value = config.get(field, supported)
+        if value not in (supported, None):
+            raise ValueError(f"{source}: {field}={value!r} cannot be served here ({why}); only {supported!r} is.")
+    layers = config.get("transformer_layer_config")
+    if not isinstance(layers, dict):
+        raise ValueError(f"{source}: transformer_layer_config (the draft decoder) is missing or not an object.")
+    vocab_size = layers.get("vocab_size")
+    draft_vocab = config.get("draft_vocab_size", vocab_size)
+    if draft_vocab != vocab_size:
+        raise ValueError(
+            f"{source}: draft_vocab_size={draft_vocab} is a reduced vocabulary (its own LM head and d2t map) "
+            f"while the target has {vocab_size} rows; this drafter has no LM head of its own (its pruned draft "
+            "vocabulary, draft_vocab_size, uses rows of the target's), so a trained reduced head cannot be carried over."
+        )
+    for field in CHECKPOINT_REQUIRED_FIELDS:
+        speculators_name = "aux_hidden_state_layer_ids" if field == "target_layer_ids" else field
+        if config.get(speculators_name) is None:
+            raise ValueError(f"{source}: {speculators_name} is missing; {SILENT_FALLBACK}.")
+    aux = list(config["aux_hidden_state_layer_ids"])
+    if any(not isinstance(i, int) or i < 1 for i in aux):
+        raise ValueError(
+            f"{source}: aux_hidden_state_layer_ids {aux} must be >= 1: they index the target's hidden_states "
+            "(0 is the embedding output, which DFlash never reads)."
+        )
+    depth = config.get("num_target_layers", num_target_layers)
+    if depth is None:
+        verifier = (config.get("speculators_config") or {}).get("verifier") or {}
+        raise ValueError(
+            f"{source} does not record how many decoder layers its verifier "
+            f"({verifier.get('name_or_path') or 'unnamed'}) has; pass num_target_layers=<the target's "
+            "config.num_hidden_layers> (CLI: --num-target-layers N)."
+        )
+
+    kwargs = {field: layers[field] for field in _SPECULATORS_DECODER_FIELDS if layers.get(field) is not None}
+    for field in ("layer_types", "sliding_window"):  # some exports repeat these top-level
+        if config.get(field) is not None:
+            kwargs[field] = config[field]
+    kwargs.update(
+        rope_parameters=rope_parameters_from_config(layers),
+        block_size=config.get("block_size"),
+        mask_token_id=config["mask_token_id"],
+        target_layer_ids=[i - 1 for i in aux],
+        num_target_layers=depth,
+        sliding_window_non_causal=bool(config.get("sliding_window_non_causal", False)),
+        tie_word_embeddings=False,
+    )
+    if config.get("target_hidden_size") is not None:
+        kwargs["target_hidden_size"] = config["target_hidden_size"]
+    if kwargs["block_size"] is None:
+        raise ValueError(f"{source}: block_size is missing.")
+    return kwargs
+
+
+def looks_like_dflash_drafter(model) -> bool:
+    """Whether `model` (any `nn.Module` given as `assistant_model`) is a DFlash drafter built by other
+    code: a DFlash class name, a DFlash config (`dflash_config`, speculators' DFlash, `model_type`
+    "dflash"), or the drafter's own weights (`fc.weight` and `hidden_norm.weight` at the top level)."""
+    config = getattr(model, "config", None)
+    if "dflash" in type(model).__name__.lower():
+        return True
+    if config is not None and (
+        getattr(config, "dflash_config", None) is not None
+        or getattr(config, SPECULATORS_TYPE_FIELD, None) is not None
+        or getattr(config, "model_type", None) == "dflash"
+    ):
+        return True
+    names = {name for name, _ in model.named_parameters()}
+    return {"fc.weight", "hidden_norm.weight"} <= names
+
+
+__all__ = [
+    "SPECULATORS_VERIFIER_COPIES",
+    "dflash_kwargs_from_speculators",
+    "is_speculators_config",
+    "looks_like_dflash_drafter",
+]

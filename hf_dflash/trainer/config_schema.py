@@ -1,0 +1,223 @@
+"""The `hf-dflash train` YAML, checked before anything is loaded: every unknown key, wrong type and
+missing key of every section is collected and reported at once, one line per problem naming the
+section, the key and the expected type.
+
+Sections: `target` (str, required), `target_dtype` (auto | float32 | bfloat16 | float16), `drafter`
+(`DFlashConfig.from_target_config` arguments and overridable `DFlashConfig` fields, or `init_from`),
+`data` (`tokenized` required, `features`, `eval_samples`, `max_train_samples`, `parts`), `lora` (`peft.LoraConfig` fields, or null)
+and `training` (`DFlashTrainingArguments` fields, `output_dir` required).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import re
+import types
+import typing
+from typing import Any
+
+from ..modeling_dflash import DFlashConfig
+from .arguments import DFlashTrainingArguments
+
+SECTIONS = ("target", "target_dtype", "drafter", "data", "lora", "training")
+TARGET_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# `from_target_config` arguments, then the DFlashConfig fields a config may override. The target fixes
+# the others (vocab_size, hidden_size, num_target_layers, target_hidden_size).
+DRAFTER_ARGUMENTS = {
+    "init_from": str,
+    "num_hidden_layers": int,
+    "block_size": int,
+    "num_target_features": int | None,
+    "mask_token_id": int | None,
+    "target_layer_ids": list[int] | None,
+}
+DRAFTER_OVERRIDES = (
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "max_position_embeddings",
+    "initializer_range",
+    "rms_norm_eps",
+    "rope_parameters",
+    "attention_bias",
+    "attention_dropout",
+    "sliding_window",
+    "layer_types",
+    "sliding_window_non_causal",
+    "draft_vocab_size",
+    "block_size_policy",
+)
+DATA_FIELDS = {
+    "tokenized": str,
+    "features": str | None,
+    "eval_samples": int,
+    "max_train_samples": int | None,
+    "parts": list[str] | None,
+}
+# PyYAML (YAML 1.1) reads 6e-4 (no dot) as a string; in a float field it is the number the user meant.
+_EXPONENT_FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
+
+
+def _type_name(expected) -> str:
+    """'int', 'list[int] or null', 'one of a, b', ... for the error messages."""
+    if expected is type(None):
+        return "null"
+    origin, args = typing.get_origin(expected), typing.get_args(expected)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(dict.fromkeys(_type_name(arg) for arg in args))
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(arg) for arg in args)
+    if origin in (list, dict, tuple):
+        return f"{origin.__name__}[{', '.join(_type_name(arg) for arg in args)}]" if args else origin.__name__
+    if isinstance(expected, type) and issubclass(expected, enum.Enum):
+        return "one of " + ", ".join(repr(member.value) for member in expected)
+    return getattr(expected, "__name__", str(expected))
+
+
+def _fits(value, expected) -> bool:
+    """Whether a YAML value (after `_coerce`) is of the annotated type `expected`."""
+    if expected is Any or expected is typing.Any:
+        return True
+    if expected is type(None) or expected is None:
+        return value is None
+    origin, args = typing.get_origin(expected), typing.get_args(expected)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, arg) for arg in args)
+    if origin is typing.Literal:
+        return value in args
+    if origin in (list, tuple):
+        return isinstance(value, list) and (not args or all(_fits(item, args[0]) for item in value))
+    if origin is dict:
+        return isinstance(value, dict) and (not args or all(_fits(v, args[1]) for v in value.values()))
+    if expected is bool:
+        return isinstance(value, bool)
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if expected is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(expected, type) and issubclass(expected, enum.Enum):
+        return isinstance(value, expected) or value in {member.value for member in expected}
+    if isinstance(expected, type):
+        return isinstance(value, expected)
+    return True  # an annotation this checker does not model: left to the constructor
+
+
+def _accepts_float(expected) -> bool:
+    if expected is float:
+        return True
+    return typing.get_origin(expected) in (typing.Union, types.UnionType) and float in typing.get_args(expected)
+
+
+def _coerce(value, expected):
+    """YAML-1.1 exponent strings ('6e-4') become floats where a float (and no str) is expected."""
+    if isinstance(value, str) and _EXPONENT_FLOAT.match(value) and _accepts_float(expected) and not _fits(value, expected):
+        return float(value)
+    return value
+
+
+def _describe(value) -> str:
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    return f"{type(value).__name__} {shown}"
+
+
+def _check_mapping(
+    section: str,
+    values,
+    fields: dict,
+    problems: list[str],
+    required: tuple[str, ...] = (),
+    list_allowed: bool = True,
+) -> dict:
+    """Check one section's keys and value types against `fields` ({key: type}); returns it coerced."""
+    if not isinstance(values, dict):
+        problems.append(f"{section}: expected a mapping of keys, got {_describe(values)}")
+        return {}
+    checked = {}
+    for key, value in values.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            allowed = f"; allowed: {', '.join(sorted(fields))}" if list_allowed else ""
+            problems.append(f"{section}.{key}: unknown key{hint}{allowed}")
+            continue
+        value = _coerce(value, fields[key])
+        if not _fits(value, fields[key]):
+            problems.append(f"{section}.{key}: expected {_type_name(fields[key])}, got {_describe(value)}")
+        checked[key] = value
+    for key in required:
+        if key not in values:
+            problems.append(f"{section}.{key}: missing (expected {_type_name(fields[key])})")
+    return checked
+
+
+def _dataclass_fields(cls) -> dict:
+    hints = typing.get_type_hints(cls)
+    return {field.name: hints.get(field.name, Any) for field in dataclasses.fields(cls) if field.init}
+
+
+def _drafter_fields() -> dict:
+    hints = DFlashConfig.__annotations__  # its own fields only (the base class's name torch lazily)
+    return {**DRAFTER_ARGUMENTS, **{name: hints[name] for name in DRAFTER_OVERRIDES}}
+
+
+def _lora_fields() -> dict:
+    from peft import LoraConfig
+
+    return _dataclass_fields(LoraConfig)
+
+
+def validate_train_config(config, source: str = "config") -> dict:
+    """The training config with YAML exponent floats converted; raises one `ValueError` that lists
+    every problem (`section.key: problem (expected type)`), one per line."""
+    problems: list[str] = []
+    if not isinstance(config, dict):
+        raise ValueError(f"{source} must hold a mapping with sections {', '.join(SECTIONS)}.")
+    checked = dict(config)
+    for key in config:
+        if key not in SECTIONS:
+            close = difflib.get_close_matches(str(key), SECTIONS, n=1)
+            problems.append(f"{key}: unknown section(s) {[key]}{f' (did you mean {close[0]}?)' if close else ''}; "
+                            f"allowed: {', '.join(SECTIONS)}")  # fmt: skip
+    for section in ("target", "data", "training"):
+        if section not in config:
+            problems.append(f"{section}: missing section")
+    if "target" in config and not isinstance(config["target"], str):
+        problems.append(f"target: expected str (a known target name or a model folder), got {_describe(config['target'])}")
+    dtype = config.get("target_dtype", "float32")
+    if not isinstance(dtype, str) or dtype not in TARGET_DTYPES:
+        problems.append(f"target_dtype: expected one of {', '.join(TARGET_DTYPES)}, got {_describe(dtype)}")
+
+    if config.get("drafter") is not None:
+        drafter = _check_mapping("drafter", config["drafter"], _drafter_fields(), problems)
+        if "init_from" in drafter:
+            for key in drafter:
+                if key not in ("init_from", "block_size"):
+                    problems.append(
+                        f"drafter.{key}: ignored with drafter.init_from (the loaded drafter keeps its own); remove it"
+                    )
+        checked["drafter"] = drafter
+    if "data" in config:
+        checked["data"] = _check_mapping("data", config["data"], DATA_FIELDS, problems, required=("tokenized",))
+    if config.get("lora") is not None:
+        checked["lora"] = _check_mapping("lora", config["lora"], _lora_fields(), problems)
+    if "training" in config:
+        training_fields = _dataclass_fields(DFlashTrainingArguments)
+        training_fields["output_dir"] = str  # required here: resuming and finished-run detection live there
+        training = _check_mapping(
+            "training", config["training"], training_fields, problems, required=("output_dir",), list_allowed=False
+        )
+        checked["training"] = training
+        if training.get("feature_mode") == "offline" and isinstance(config.get("data"), dict):
+            if not config["data"].get("features"):
+                problems.append("data.features: missing (expected str): training.feature_mode is offline")
+    if problems:
+        listing = "\n".join(f"  - {problem}" for problem in problems)
+        raise ValueError(f"{source}: {len(problems)} problem(s) in the training config:\n{listing}")
+    return checked
+
+
+__all__ = ["SECTIONS", "validate_train_config"]

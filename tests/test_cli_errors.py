@@ -1,0 +1,102 @@
+"""The CLI's user errors (issue #13 B8): `hf-dflash <cmd>: error: ...` on stderr and a non-zero exit,
+never a traceback or a silent success; `bench --prompts FILE` runs the whole file."""
+
+import json
+
+import pytest
+import torch
+
+import hf_dflash.data.corpus as corpus
+import hf_dflash.data.pipeline as pipeline
+from hf_dflash.cli import main
+from tests.conftest import make_drafter, make_target
+from tests.test_data import EVAL_SUITE, make_char_tokenizer, write_lines
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """(target folder with tokenizer, drafter folder, a 10-prompt file, an empty prompt file)."""
+    root = tmp_path_factory.mktemp("cli")
+    target = make_target("llama")
+    target.save_pretrained(root / "target")
+    make_char_tokenizer().save_pretrained(root / "target")
+    make_drafter(target, block_size=4).save_pretrained(root / "drafter")
+    prompts = write_lines(root / "ten.jsonl", [{"prompt": f"Count to {i}."} for i in range(10)])
+    empty = write_lines(root / "empty.jsonl", ["", "   "])
+    return root / "target", root / "drafter", prompts, empty
+
+
+def fails_cleanly(capsys, argv, command, *fragments):
+    """`main(argv)` exits non-zero (returned or via argparse) with `hf-dflash <command>: error:` and no traceback."""
+    try:
+        code = main(argv)
+    except SystemExit as stop:
+        code = stop.code
+    err = capsys.readouterr().err
+    assert code not in (0, None), err
+    assert f"hf-dflash {command}: error:" in err and "Traceback" not in err, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def test_a_missing_prompts_file_is_named(folders, tmp_path, capsys):
+    target, drafter, _, _ = folders
+    missing = str(tmp_path / "nope.jsonl")
+    fails_cleanly(capsys, ["generate", "--prompts", missing, "--out", str(tmp_path / "o.jsonl"), "--target",
+                           str(target), "--drafter", str(drafter)], "generate", "nope.jsonl", "does not exist")
+    fails_cleanly(capsys, ["bench", "--prompts", missing, "--target", str(target), "--drafter", "random",
+                           "--out", str(tmp_path / "b")], "bench", "nope.jsonl", "does not exist")
+    fails_cleanly(capsys, ["prepare-data", "--out", str(tmp_path / "d"), "--sources", "", "--prompts", missing],
+                  "prepare-data", "nope.jsonl", "does not exist")
+    assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "b").exists()
+
+
+def test_device_cuda_without_cuda_is_named(folders, tmp_path, capsys, monkeypatch):
+    target, drafter, prompts, _ = folders
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    fails_cleanly(capsys, ["bench", "--prompts", str(prompts), "--target", str(target), "--drafter", str(drafter),
+                           "--device", "cuda", "--out", str(tmp_path / "b")], "bench", "--device cuda", "CUDA")
+    fails_cleanly(capsys, ["bench", "--prompts", str(prompts), "--target", str(target), "--drafter", str(drafter),
+                           "--device", "gpu0", "--out", str(tmp_path / "b")], "bench", "--device 'gpu0'")
+
+
+def test_a_negative_temperature_is_refused(folders, tmp_path, capsys):
+    target, drafter, prompts, _ = folders
+    fails_cleanly(capsys, ["bench", "--prompts", str(prompts), "--target", str(target), "--drafter", str(drafter),
+                           "--temperature", "-1"], "bench", "--temperature", "-1")
+    fails_cleanly(capsys, ["prepare-data", "--out", str(tmp_path / "d"), "--temperature", "-1"], "prepare-data",
+                  "--temperature")
+
+
+def test_an_empty_prompt_file_is_refused(folders, tmp_path, capsys):
+    target, drafter, _, empty = folders
+    fails_cleanly(capsys, ["generate", "--prompts", str(empty), "--out", str(tmp_path / "o.jsonl"), "--target",
+                           str(target), "--drafter", str(drafter)], "generate", "empty.jsonl", "no prompts")
+    fails_cleanly(capsys, ["bench", "--prompts", str(empty), "--target", str(target), "--drafter", str(drafter),
+                           "--out", str(tmp_path / "b")], "bench", "empty.jsonl", "no prompts")
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_prepare_data_with_no_sample_left_is_an_error(tmp_path, monkeypatch, capsys):
+    prompts = write_lines(tmp_path / "mine.jsonl", [{"prompt": f"Tell me about number {i}."} for i in range(3)])
+    monkeypatch.setattr(corpus, "load_eval_suite", lambda: EVAL_SUITE)
+    monkeypatch.setattr(pipeline, "load_target", lambda name, dtype: (make_target("llama"), make_char_tokenizer()))
+    # 12 new tokens per reply can never reach 2 x block 16 supervised tokens: every sample is dropped.
+    fails_cleanly(capsys, ["prepare-data", "--out", str(tmp_path / "out"), "--sources", "", "--prompts", str(prompts),
+                           "--max-new-tokens", "12", "--block-size", "16", "--max-length", "256"],
+                  "prepare-data", "0 training samples", "--block-size")
+
+
+def test_bench_runs_every_prompt_of_a_file_and_says_how_many(folders, tmp_path, capsys):
+    target, drafter, prompts, _ = folders
+    argv = ["bench", "--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts), "--dtype",
+            "float32", "--max-new-tokens", "3", "--methods", "plain,dflash", "--out", str(tmp_path / "all"),
+            "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "all" / "bench.json").read_text())
+    assert report["sets"]["ten"]["n"] == 10  # not the 8 that --num-prompts defaults to for the built-in sets
+    assert "ten: 10 of 10 prompts" in out
+    assert main([*argv[:-3], "--out", str(tmp_path / "three"), "--num-prompts", "3", "--no-progress"]) == 0
+    assert json.loads((tmp_path / "three" / "bench.json").read_text())["sets"]["ten"]["n"] == 3
+    assert "ten: 3 of 10 prompts" in capsys.readouterr().out
