@@ -30,6 +30,7 @@ def run_config(tmp_path):
     write_tokenized(tmp_path / "tokenized", samples(count=6))
     config = {
         "target": str(target_dir),
+        "target_dtype": "float32",  # the same on every machine ("auto" may pick bf16)
         "drafter": {"num_hidden_layers": 1, "num_target_features": 2},
         "data": {"tokenized": str(tmp_path / "tokenized"), "eval_samples": 2},
         "training": {
@@ -245,3 +246,9 @@ def test_training_seed_seeds_the_drafter_initialisation(run_config, tmp_path):
     first, again, other = weights(7, "a"), weights(7, "b"), weights(8, "c")
     assert all(torch.equal(first[key], again[key]) for key in first)
     assert not all(torch.equal(first[key], other[key]) for key in first)
+
+
+def test_evaluation_logs_the_served_tau_estimate_beside_the_uniform_one(run_config):
+    trainer = train_from_config(load_train_config(run_config))
+    evaluations = [entry for entry in trainer.state.log_history if "eval_served_tau" in entry]
+    assert evaluations and all(entry["eval_served_tau"] >= 1 and entry["eval_all_anchor_tau"] >= 1 for entry in evaluations)

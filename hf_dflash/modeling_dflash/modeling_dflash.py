@@ -226,7 +226,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         never drafts other ids: greedy and rejection sampling stay lossless), False returns (..., N).
         """
         if self.config.draft_vocab_size is None:
-            return lm_head(hidden_states)
+            return lm_head(hidden_states.to(lm_head.weight.dtype))  # the head may be bf16 under an fp32 drafter
         weight = self.draft_head_weight(lm_head)
         bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias[self.draft_token_ids.to(weight.device)]
         logits = nn.functional.linear(hidden_states.to(weight.dtype), weight, bias)

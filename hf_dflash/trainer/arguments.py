@@ -25,6 +25,14 @@ class DFlashTrainingArguments(TrainingArguments):
         default="online",
         metadata={"help": "'online': run the frozen target in each step; 'offline': read cached features."},
     )
+    eval_served_tau: int = field(
+        default=16,
+        metadata={
+            "help": "At each evaluation, also estimate the τ serving would get on the first N held-out samples "
+            "(anchors walked p -> p + τ(p) as generate visits them; logged as eval_served_tau next to the "
+            "uniform-anchor eval_tau). 0 turns it off."
+        },
+    )
     target_name_or_path: str | None = field(
         default=None, metadata={"help": "Target model (a known name such as smollm2-135m-instruct, or a path)."}
     )

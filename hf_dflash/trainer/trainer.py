@@ -21,6 +21,7 @@ from .maths import (
     training_position_ids,
     weighted_cross_entropy_sum,
 )
+from .consistency import served_tau_estimate
 from .target_features import compute_target_features
 
 
@@ -164,6 +165,23 @@ class DFlashTrainer(Trainer):
         )
         card.data.tags = sorted(set(card.data.tags or []) | set(self._tag_names))
         card.save(output_dir / "README.md")
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """The loss, acc_k and uniform-anchor τ of `Trainer.evaluate`, plus `<prefix>_served_tau`: the τ
+        `generate` would serve on the first `args.eval_served_tau` held-out samples (see consistency.py)."""
+        metrics = super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        count = min(self.args.eval_served_tau, len(dataset)) if dataset is not None else 0
+        if count and self.is_world_process_zero():
+            drafter = self.accelerator.unwrap_model(self.model)
+            estimate = served_tau_estimate(drafter, self.target, [dataset[i] for i in range(count)])
+            served = {
+                f"{metric_key_prefix}_served_tau": round(estimate.served_tau, 4),
+                f"{metric_key_prefix}_all_anchor_tau": round(estimate.uniform_tau, 4),
+            }
+            metrics.update(served)
+            self.log(served)
+        return metrics
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Evaluation = the training loss and metrics on held-out data (no logits are gathered)."""

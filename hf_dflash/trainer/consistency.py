@@ -1,0 +1,124 @@
+"""Train/serve consistency: predict from the packed training forward the τ that `generate` serves.
+
+The trainer's usual τ estimate averages over anchors drawn uniformly from the replies. Serving does
+not visit anchors uniformly: after a round at anchor p that commits τ(p) tokens, the next round's
+anchor is p + τ(p), so positions where the drafter is weak are visited more often than they are
+sampled. Walking the anchors the way serving does, with τ(p) read off the same packed forward,
+predicts the served τ round for round (greedy, fixed block size, same target dtype as the data).
+
+    estimate = served_tau_estimate(drafter, target, samples)
+    estimate.uniform_tau, estimate.served_tau   # the trainer's usual figure, and the served prediction
+
+A gap between `served_tau` and what `generate` reports on the same chats means training and serving
+disagree: a bug to find (mask, positions, labels, features), not a number to report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .maths import build_blocks
+from .target_features import compute_target_features
+
+__all__ = ["ServedTauEstimate", "anchor_taus", "reply_spans", "served_tau_estimate", "walk_served_rounds"]
+
+
+def reply_spans(loss_mask: list[int]) -> list[tuple[int, int]]:
+    """[(start, end)) of each maximal run of supervised positions (one per assistant reply)."""
+    spans, start = [], None
+    for position, flag in enumerate(list(loss_mask) + [0]):
+        if flag and start is None:
+            start = position
+        elif not flag and start is not None:
+            spans.append((start, position))
+            start = None
+    return spans
+
+
+def walk_served_rounds(tau_at: dict[int, int], spans: list[tuple[int, int]]) -> list[int]:
+    """τ of each round serving would run: in each reply the first anchor is its first token (the bonus
+    token of the prefill), and a round at anchor p is followed by one at p + τ(p), while a next token
+    exists in the reply (p + 1 < end). A round commits at most the end - 1 - p tokens the reply has left
+    (it ends at its EOS, or at max_new_tokens)."""
+    rounds = []
+    for start, end in spans:
+        position = start
+        while position + 1 < end:
+            tau = min(tau_at[position], end - 1 - position)
+            rounds.append(tau)
+            position += tau
+    return rounds
+
+
+def anchor_taus(correct: torch.BoolTensor, block_size: int) -> torch.LongTensor:
+    """(A,) τ of the block at each anchor: 1 + the run of correct drafts from slot 1 (correct (A*bs,))."""
+    chain = correct.view(-1, block_size)[:, 1:].long().cumprod(-1)
+    return 1 + chain.sum(-1)
+
+
+@dataclass
+class ServedTauEstimate:
+    """Uniform-anchor and serving-walk τ over the same samples (greedy, block size B)."""
+
+    uniform_tau: float  # mean τ over every anchor of every reply (what uniform sampling estimates)
+    served_tau: float  # mean τ over the rounds serving would run
+    rounds: list[int] = field(default_factory=list)  # τ of every served round, in order
+    per_sample: list[float] = field(default_factory=list)  # served τ per sample
+
+
+@torch.no_grad()
+def served_tau_estimate(
+    drafter,
+    target,
+    samples: list[dict],
+    anchors_per_forward: int = 64,
+) -> ServedTauEstimate:
+    """Estimate the served τ of `drafter` on `samples` (`{"input_ids", "loss_mask"[, "target_hidden_states"]}`).
+
+    One target forward per sample gives the features (or the cached ones are used); the drafter then runs
+    the packed training forward with an anchor at EVERY reply position (in chunks of `anchors_per_forward`
+    to bound memory), and argmax drafts are compared with the data tokens (the target's own greedy reply).
+    """
+    from .trainer import dflash_training_forward  # the exact training forward (import here: no cycle)
+
+    config = drafter.config
+    block_size, device = config.block_size, next(drafter.parameters()).device
+    lm_head, embedding = target.get_output_embeddings(), target.get_input_embeddings()
+    rounds, per_sample, every = [], [], []
+    drafter_was_training = drafter.training
+    drafter.eval()
+    for sample in samples:
+        input_ids = torch.as_tensor(sample["input_ids"], device=device)[None]
+        loss_mask = torch.as_tensor(sample["loss_mask"], device=device)[None]
+        if "target_hidden_states" in sample:
+            features = torch.as_tensor(sample["target_hidden_states"], device=device)[None]
+        else:
+            features = compute_target_features(target, input_ids, config.target_layer_ids, torch.ones_like(input_ids))
+        features = features.to(next(drafter.parameters()).dtype)
+        mask = loss_mask[0].bool()
+        candidates = (mask[:-1] & mask[1:]).nonzero().squeeze(1)  # anchors with a next token in the reply
+        tau_at = {}
+        for chunk in candidates.split(anchors_per_forward):
+            anchors = chunk[None]
+            valid = torch.ones_like(anchors, dtype=torch.bool)
+            blocks = build_blocks(input_ids, loss_mask, anchors, valid, block_size, config.mask_token_id, 1.0)
+            batch = {"input_ids": input_ids, "anchor_positions": anchors, "anchor_valid": valid, **blocks}
+            hidden = dflash_training_forward(drafter, embedding, batch, features, config)
+            drafts = drafter.greedy_draft_tokens(hidden, lm_head)  # (1, A*bs)
+            supervised = blocks["loss_weights"] > 0
+            correct = (drafts == blocks["labels"]) & supervised
+            for position, tau in zip(chunk.tolist(), anchor_taus(correct[0], block_size).tolist()):
+                tau_at[position] = tau
+        every += list(tau_at.values())
+        sample_rounds = walk_served_rounds(tau_at, reply_spans(sample["loss_mask"]))
+        rounds += sample_rounds
+        per_sample.append(sum(sample_rounds) / len(sample_rounds) if sample_rounds else 0.0)
+    drafter.train(drafter_was_training)
+    return ServedTauEstimate(
+        uniform_tau=sum(every) / len(every) if every else 0.0,
+        served_tau=sum(rounds) / len(rounds) if rounds else 0.0,
+        rounds=rounds,
+        per_sample=per_sample,
+    )

@@ -1,0 +1,47 @@
+"""Train/serve consistency: the serving-walk estimate from the packed training forward equals, round
+for round, the τ that `generate` serves on the same chat (greedy, fp32, data = the target's own reply)."""
+
+import pytest
+import torch
+
+from hf_dflash.trainer.consistency import anchor_taus, reply_spans, served_tau_estimate, walk_served_rounds
+from tests.conftest import OracleDrafter, make_drafter, make_target
+
+
+def test_reply_spans_and_the_walk():
+    assert reply_spans([0, 0, 1, 1, 1, 0, 1, 1]) == [(2, 5), (6, 8)]
+    tau_at = {2: 2, 3: 1, 4: 1, 6: 1}
+    assert walk_served_rounds(tau_at, [(2, 5), (6, 8)]) == [2, 1]  # 2 -> 4 (last token: no round); 6 -> 7
+    assert walk_served_rounds({2: 4, 3: 1}, [(2, 5)]) == [2]  # never past the reply's last token
+    correct = torch.tensor([0, 1, 1, 0, 0, 1, 1, 1, 0, 0, 1, 1], dtype=torch.bool)  # 3 blocks of 4
+    assert anchor_taus(correct, 4).tolist() == [3, 4, 1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("block_size", [4, 6])
+def test_served_walk_equals_generate_round_for_round(arch, block_size):
+    target = make_target(arch)
+    prompt = torch.tensor([[5, 17, 33, 9, 71, 12]])
+    length = 40
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=length, eos_token_id=None)
+    # A drafter right most of the time: it knows the greedy continuation, except at a few positions.
+    believed = plain.clone()
+    for position in (9, 10, 17, 25, 26, 27, 33, 41):
+        believed[0, position] = (believed[0, position] + 1) % 128
+    config = make_drafter(target, block_size=block_size).config
+    drafter = OracleDrafter(config, target.lm_head.weight, believed).eval()
+    served = target.generate(prompt, do_sample=False, max_new_tokens=length, eos_token_id=None, assistant_model=drafter)
+    assert torch.equal(served, plain)
+    served_rounds = drafter.last_acceptance.acceptance_lengths
+    sample = {"input_ids": plain[0].tolist(), "loss_mask": [0] * prompt.shape[1] + [1] * length}
+    estimate = served_tau_estimate(drafter, target, [sample], anchors_per_forward=7)
+    assert estimate.rounds == served_rounds
+    assert 1 < estimate.served_tau and estimate.uniform_tau != estimate.served_tau
+
+
+def test_random_drafter_estimates_tau_one():
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=4)
+    sample = {"input_ids": list(range(3, 40)), "loss_mask": [0] * 5 + [1] * 32}
+    estimate = served_tau_estimate(drafter, target, [sample])
+    assert 1 <= estimate.served_tau < 1.5 and len(estimate.per_sample) == 1
