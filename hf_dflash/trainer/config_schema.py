@@ -27,6 +27,7 @@ TARGET_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # the others (vocab_size, hidden_size, num_target_layers, target_hidden_size).
 DRAFTER_ARGUMENTS = {
     "init_from": str,
+    "init_from_target": bool | list[int],
     "num_hidden_layers": int,
     "block_size": int,
     "num_target_features": int | None,

@@ -43,6 +43,7 @@ from .arguments import DFlashTrainingArguments
 from ..data.packed import PackedDataset, is_packed, source_of
 from .config_schema import validate_train_config
 from .datasets import TokenizedDataset
+from .initialization import init_from_target
 from .draft_vocab import draft_vocab_report, select_draft_vocab, supervised_token_counts
 from .trainer import DFlashTrainer
 
@@ -112,12 +113,22 @@ def build_drafter(section: dict, target, tokenizer, block_size: int) -> DFlashDr
     if init_from := section.pop("init_from", None):
         drafter = load_drafter(init_from)
         if drafter.config.block_size != block_size:
-            raise ValueError(f"{init_from} has block_size {drafter.config.block_size}, training.block_size is {block_size}.")
+            # The weights do not depend on the block size: continue training them for another one.
+            print(f"{init_from} was trained with block_size {drafter.config.block_size}; continuing with {block_size}.")
+            drafter.config.block_size = block_size
+            if isinstance(drafter.config.block_size_policy, int) and drafter.config.block_size_policy > block_size:
+                drafter.config.block_size_policy = None
+            drafter.config.validate_dflash()
         return drafter.float()
+    from_target = section.pop("init_from_target", False)
     section.setdefault("block_size", block_size)
     if section["block_size"] != block_size:
         raise ValueError(f"drafter.block_size={section['block_size']} differs from training.block_size={block_size}.")
-    return DFlashDraftModel(DFlashConfig.from_target_config(target.config, tokenizer=tokenizer, **section))
+    drafter = DFlashDraftModel(DFlashConfig.from_target_config(target.config, tokenizer=tokenizer, **section))
+    if from_target:
+        layers = init_from_target(drafter, target, None if from_target is True else list(from_target))
+        print(f"Draft layers initialised from target layers {layers} (fc: identity on the deepest feature).")
+    return drafter
 
 
 def build_datasets(section: dict, args: DFlashTrainingArguments, drafter: DFlashDraftModel, vocab_size: int):
