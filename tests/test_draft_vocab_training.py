@@ -70,3 +70,33 @@ def test_training_with_a_draft_vocab_chooses_it_from_the_data_and_records_covera
     logged = [entry for entry in trainer.state.log_history if "draft_vocab_miss" in entry]
     assert logged and all(0 <= entry["draft_vocab_miss"] <= 1 for entry in logged)
     assert any("eval_draft_vocab_miss" in entry for entry in trainer.state.log_history)
+
+
+def test_kl_loss_is_zero_when_the_drafter_matches_the_teacher_and_positive_otherwise():
+    from hf_dflash.trainer.maths import weighted_kl_sum
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 12, bias=False)
+    hidden = torch.randn(1, 4, 8)
+    weights = torch.tensor([[0.0, 1.0, 0.5, 1.0]])
+    teacher = head(hidden[weights > 0])
+    assert weighted_kl_sum(hidden, head, teacher, weights).abs() < 1e-5
+    assert weighted_kl_sum(hidden, head, teacher + torch.randn_like(teacher), weights) > 0.01
+    ids = torch.tensor([1, 3, 4, 7, 10])
+    t2d = torch.zeros(12, dtype=torch.bool)
+    t2d[ids] = True
+    subset = weighted_kl_sum(hidden, head, teacher, weights, (head.weight[ids], target_to_draft_index(t2d)))
+    assert subset.abs() < 1e-5  # the teacher renormalised over the subset equals the drafter's subset softmax
+
+
+def test_distillation_trains_online_and_is_refused_offline(run_config):  # noqa: F811
+    from hf_dflash.trainer.arguments import DFlashTrainingArguments
+
+    config = load_train_config(run_config)
+    config["training"].update(loss_type="kl", max_steps=2, eval_strategy="no", save_strategy="no")
+    trainer = train_from_config(config)
+    assert trainer.state.global_step == 2 and trainer.state.log_history[0]["loss"] > 0
+    with pytest.raises(ValueError, match="loss_type='kl' needs .* feature_mode='online'"):
+        DFlashTrainingArguments(output_dir="x", loss_type="kl", feature_mode="offline", use_cpu=True)
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        DFlashTrainingArguments(output_dir="x", loss_type="mse", use_cpu=True)

@@ -6,6 +6,7 @@ from transformers import TrainingArguments
 
 from .maths import default_decay_gamma
 
+LOSS_TYPES = ("ce", "kl")
 FEATURE_MODES = ("online", "offline")
 
 
@@ -20,6 +21,13 @@ class DFlashTrainingArguments(TrainingArguments):
     loss_decay_gamma: float | None = field(
         default=None,
         metadata={"help": "Slot weight exp(-(k-1)/gamma). Default: 7 for bs 16, 5 for bs 10, 4 for bs 8, else 7*bs/16."},
+    )
+    loss_type: str = field(
+        default="ce",
+        metadata={
+            "help": "'ce': cross-entropy on the target's own (greedy) tokens; 'kl': distil the target's "
+            "distribution at each label position, KL(p_target || q_draft) (online features only)."
+        },
     )
     feature_mode: str = field(
         default="online",
@@ -56,6 +64,10 @@ class DFlashTrainingArguments(TrainingArguments):
             raise ValueError(f"num_anchors must be >= 1, got {self.num_anchors}.")
         if self.feature_mode not in FEATURE_MODES:
             raise ValueError(f"feature_mode must be one of {FEATURE_MODES}, got {self.feature_mode!r}.")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}.")
+        if self.loss_type == "kl" and self.feature_mode != "online":
+            raise ValueError("loss_type='kl' needs the target's logits in each step: use feature_mode='online'.")
         if self.remove_unused_columns:
             raise ValueError("remove_unused_columns=True would drop loss_mask; DFlash training needs False.")
         if self.loss_decay_gamma is None:

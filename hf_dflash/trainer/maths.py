@@ -180,6 +180,33 @@ def weighted_cross_entropy_sum(
     return loss_sum, correct
 
 
+def weighted_kl_sum(
+    hidden_states: torch.Tensor,
+    lm_head: torch.nn.Module,
+    teacher_logits: torch.Tensor,
+    weights: torch.Tensor,
+    draft_head: tuple[torch.Tensor, torch.LongTensor] | None = None,
+) -> torch.Tensor:
+    """Σ w * KL(p_teacher || q_draft) over the positions with w > 0.
+
+    hidden_states (B, T, H) drafter outputs; teacher_logits (N, V) the target's logits for the N positions
+    with w > 0 (in their order); weights (B, T). With a draft vocabulary (`draft_head`, as in
+    `weighted_cross_entropy_sum`) both distributions are taken over its N' ids (the teacher renormalised
+    there): the drafter cannot propose the others.
+    """
+    selected = weights > 0
+    if draft_head is None:
+        student = lm_head(hidden_states[selected].to(lm_head.weight.dtype)).float()
+        teacher = teacher_logits.float()
+    else:
+        weight, target_to_draft = draft_head
+        student = F.linear(hidden_states[selected].to(weight.dtype), weight).float()
+        ids = (target_to_draft >= 0).nonzero().squeeze(1)  # ascending: draft index order
+        teacher = teacher_logits.float()[:, ids]
+    kl = F.kl_div(student.log_softmax(-1), teacher.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+    return (kl * weights[selected]).sum()
+
+
 def acceptance_estimate(
     correct: torch.BoolTensor, supervised: torch.BoolTensor, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

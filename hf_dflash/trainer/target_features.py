@@ -26,3 +26,27 @@ def compute_target_features(
         logits_to_keep=1,
     )
     return target_layer_features(outputs.hidden_states, target_layer_ids, input_ids.shape[1])
+
+
+@torch.no_grad()
+def compute_target_features_and_logits(
+    target: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    target_layer_ids: list[int],
+    attention_mask: torch.Tensor | None,
+    label_positions: torch.LongTensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features as `compute_target_features`, plus the target's logits (N, V) that PREDICT the tokens at
+    `label_positions` (N, 2) = [(row, position)]: its logits at position - 1, from the same forward
+    (`logits_to_keep` given the positions, so the LM head runs only where a label needs it)."""
+    rows, positions = label_positions[:, 0], label_positions[:, 1] - 1
+    kept, index = positions.unique(return_inverse=True)  # sorted positions any row needs
+    outputs = target(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        output_hidden_states=[i + 1 for i in target_layer_ids],
+        use_cache=False,
+        logits_to_keep=kept,
+    )
+    features = target_layer_features(outputs.hidden_states, target_layer_ids, input_ids.shape[1])
+    return features, outputs.logits[rows, index]

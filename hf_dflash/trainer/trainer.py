@@ -20,9 +20,10 @@ from .maths import (
     target_to_draft_index,
     training_position_ids,
     weighted_cross_entropy_sum,
+    weighted_kl_sum,
 )
 from .consistency import served_tau_estimate
-from .target_features import compute_target_features
+from .target_features import compute_target_features, compute_target_features_and_logits
 
 
 def dflash_training_forward(
@@ -129,9 +130,18 @@ class DFlashTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         drafter = self.accelerator.unwrap_model(model)
-        features = self.target_features(inputs).to(next(drafter.parameters()).dtype)
-        hidden = dflash_training_forward(model, self.target.get_input_embeddings(), inputs, features, drafter.config)
         weights = inputs["loss_weights"]
+        teacher_logits = None
+        if self.args.loss_type == "kl":  # the target's distribution at every supervised label (one forward)
+            rows, slots = (weights > 0).nonzero(as_tuple=True)
+            label_positions = torch.stack([rows, inputs["block_positions"][rows, slots]], -1)
+            features, teacher_logits = compute_target_features_and_logits(
+                self.target, inputs["input_ids"], self.target_layer_ids, inputs["attention_mask"], label_positions
+            )
+        else:
+            features = self.target_features(inputs)
+        features = features.to(next(drafter.parameters()).dtype)
+        hidden = dflash_training_forward(model, self.target.get_input_embeddings(), inputs, features, drafter.config)
         lm_head = self.target.get_output_embeddings()
         draft_head = None
         if drafter.config.draft_vocab_size is not None:
@@ -139,6 +149,8 @@ class DFlashTrainer(Trainer):
             supervised = weights > 0
             self._count("draft_vocab_miss", (supervised & ~drafter.t2d[inputs["labels"]]).sum(), supervised.sum())
         loss_sum, correct = weighted_cross_entropy_sum(hidden, lm_head, inputs["labels"], weights, draft_head)
+        if teacher_logits is not None:  # distillation: the KL replaces the cross-entropy (correct stays hard)
+            loss_sum = weighted_kl_sum(hidden, lm_head, teacher_logits, weights, draft_head)
         normaliser = num_items_in_batch if num_items_in_batch is not None else weights.sum()
         loss = loss_sum / normaliser.clamp_min(1e-6)
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
