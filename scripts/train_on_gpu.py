@@ -18,6 +18,11 @@ script runs the package's own stages (`regenerate_responses`, `tokenize_response
     python scripts/train_on_gpu.py --corpus out/gpu/corpus/prompts.jsonl --out /tmp/run \\
         --gen-seconds 200 --train-seconds 260 --variant L3:num_hidden_layers=3 --variant L5:num_hidden_layers=5
 
+    # from the committed data, a recipe comparison (training.* / data.* keys reach those sections):
+    python scripts/train_on_gpu.py --data data/smollm2-135m-instruct --out /tmp/run --train-seconds 500 \\
+        --variant L2:num_hidden_layers=2 --variant L2-V8k:num_hidden_layers=2,draft_vocab_size=8192 \\
+        --variant L2-init:num_hidden_layers=2,init_from_target=true --variant L2-kl:num_hidden_layers=2,training.loss_type=kl
+
 The same stages run on CPU through `hf-dflash prepare-data` and `hf-dflash train` (resumable).
 """
 
@@ -120,12 +125,31 @@ def tokenize(args: argparse.Namespace) -> Path:
     return merged
 
 
+def parse_variant(spec: str) -> tuple[str, dict[str, dict]]:
+    """"NAME:key=value,training.key=value,data.key=value" -> (NAME, {"drafter": {...}, "training": {...},
+    "data": {...}}); a bare key is a drafter (DFlashConfig) field; values are JSON (true, 8192, "kl")."""
+    name, _, items = spec.partition(":")
+    sections: dict[str, dict] = {"drafter": {}, "training": {}, "data": {}}
+    for item in filter(None, items.split(",")):
+        key, _, value = item.partition("=")
+        section, _, field = key.rpartition(".")
+        if (section or "drafter") not in sections:
+            raise ValueError(f"variant {name}: {key!r} must be a drafter field or start with training. or data.")
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = value  # a bare string such as kl
+        sections[section or "drafter"][field] = parsed
+    return name, sections
+
+
 def variant_config(args: argparse.Namespace, name: str, overrides: dict, output_dir: Path, max_steps: int) -> dict:
+    tokenized = args.data or str(Path(args.out) / "tokenized")  # committed packed data, or this run's own
     return {
         "target": args.target,
-        "target_dtype": "bfloat16",
-        "drafter": dict(overrides),
-        "data": {"tokenized": str(Path(args.out) / "tokenized"), "eval_samples": args.eval_samples},
+        "target_dtype": "auto",
+        "drafter": dict(overrides["drafter"]),
+        "data": {"tokenized": tokenized, "eval_samples": args.eval_samples, **overrides["data"]},
         "training": {
             "output_dir": str(output_dir),
             "block_size": args.block_size,
@@ -143,6 +167,7 @@ def variant_config(args: argparse.Namespace, name: str, overrides: dict, output_
             "disable_tqdm": True,
             "dataloader_num_workers": 4,
             "seed": args.seed,
+            **overrides["training"],
         },
     }
 
@@ -172,8 +197,7 @@ def train_variant(args: argparse.Namespace) -> None:
     if args.device.startswith("cuda") and args.memory_fraction < 1:
         # Variants share the GPU: a cap makes each caching allocator release blocks before another OOMs.
         torch.cuda.set_per_process_memory_fraction(args.memory_fraction)
-    name, _, spec = args.variant[0].partition(":")
-    overrides = {key: json.loads(value) for key, value in (item.split("=") for item in spec.split(",") if item)}
+    name, overrides = parse_variant(args.variant[0])
     root = Path(args.out) / "drafters"
     timer = StepTimer()
     calibration = root / f"{name}-calibration"
@@ -210,7 +234,8 @@ def train_variant(args: argparse.Namespace) -> None:
 def forwarded(args: argparse.Namespace) -> list[str]:
     """The shared options, for the worker processes."""
     return [
-        "--corpus", args.corpus, "--out", args.out, "--target", args.target, "--device", args.device,
+        *(["--corpus", args.corpus] if args.corpus else []), *(["--data", args.data] if args.data else []),
+        "--out", args.out, "--target", args.target, "--device", args.device,
         "--max-new-tokens", str(args.max_new_tokens), "--max-length", str(args.max_length),
         "--gen-batch-size", str(args.gen_batch_size), "--block-size", str(args.block_size),
         "--num-anchors", str(args.num_anchors), "--train-batch-size", str(args.train_batch_size),
@@ -221,7 +246,10 @@ def forwarded(args: argparse.Namespace) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("stage", nargs="?", default="all", choices=("all", "gen-worker", "train-variant"))
-    parser.add_argument("--corpus", required=True, help="prompts.jsonl of `hf-dflash prepare-data` (corpus stage)")
+    parser.add_argument("--corpus", default=None, help="prompts.jsonl of `hf-dflash prepare-data` (corpus stage)")
+    parser.add_argument(
+        "--data", default=None, help="train from this packed folder (e.g. data/smollm2-135m-instruct): no regeneration"
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--device", default="cuda")
@@ -231,7 +259,10 @@ def main() -> None:
     parser.add_argument("--gen-batch-size", type=int, default=384)
     parser.add_argument("--gen-seconds", type=float, default=200)
     parser.add_argument("--train-seconds", type=float, default=260)
-    parser.add_argument("--variant", action="append", default=None, help="NAME:key=value,... (DFlashConfig overrides)")
+    parser.add_argument(
+        "--variant", action="append", default=None,
+        help="NAME:key=value,... (DFlashConfig fields; training.key / data.key for those sections)",
+    )  # fmt: skip
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-anchors", type=int, default=128)
     parser.add_argument("--train-batch-size", type=int, default=32)
@@ -242,6 +273,8 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--memory-fraction", type=float, default=1.0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.corpus is None and args.data is None:
+        parser.error("give --corpus (regenerate first) or --data (train from packed data)")
     if args.stage == "gen-worker":
         return gen_worker(args)
     if args.stage == "train-variant":
@@ -252,8 +285,11 @@ def main() -> None:
     started = time.time()
     load_target(args.target)  # convert the GGUF once, before the workers load the cached folder
     log(f"target ready in {time.time() - started:.0f} s")
-    regenerate(args, deadline=time.time() + args.gen_seconds)
-    tokenize(args)
+    if args.data is None:
+        regenerate(args, deadline=time.time() + args.gen_seconds)
+        tokenize(args)
+    else:
+        log(f"training from the packed data in {args.data} (no regeneration)")
     deadline = time.time() + args.train_seconds
     variants = args.variant or ["L5:num_hidden_layers=5"]
     processes = [
