@@ -10,7 +10,10 @@ coverage of the held-out part (the last 10%) is reported too. Sizes are timed in
 times each, and the median is reported. Prints a table and writes JSON.
 
     python benchmarks/draft_vocab_cost.py --data data/smollm2-135m-instruct --sizes full,8192,4096 \
-        --layers 5 --reps 5 --out out/draft_vocab_cost.json
+        --layers 5 --reps 5 --drafter models/smollm2-135m-instruct-dflash --out out/draft_vocab_cost.json
+
+With --drafter, a trained full-vocabulary drafter is also restricted to each subset (no retraining) and
+its held-out τ is estimated with the serving walk (`served_tau_estimate`): what pruning alone costs.
 """
 
 import argparse
@@ -32,6 +35,17 @@ from hf_dflash.trainer.maths import target_to_draft_index, weighted_cross_entrop
 from hf_dflash.trainer.target_features import compute_target_features
 from hf_dflash.trainer.trainer import dflash_training_forward
 from transformers.cache_utils import DFlashCache
+
+
+def restrict_vocab(drafter: DFlashDraftModel, size: int | None, ids) -> DFlashDraftModel:
+    """A copy of a trained full-vocabulary drafter that drafts over `ids` only (same weights)."""
+    if size is None:
+        return drafter
+    config = type(drafter.config).from_dict({**drafter.config.to_dict(), "draft_vocab_size": size})
+    restricted = DFlashDraftModel(config)
+    restricted.load_state_dict(drafter.state_dict(), strict=False)
+    restricted.set_draft_vocab(ids)
+    return restricted.eval()
 
 
 def build(target, tokenizer, layers: int, block_size: int, size: int | None, ids, seed: int) -> DFlashDraftModel:
@@ -99,6 +113,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--dtype", default="auto", help="target dtype (the drafter trains in float32)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--drafter", default=None, help="also: this trained drafter's held-out τ (walk) per subset")
+    parser.add_argument("--tau-samples", type=int, default=32, help="held-out chats for the τ of --drafter")
     parser.add_argument("--out", default="out/draft_vocab_cost.json")
     args = parser.parse_args()
 
@@ -137,6 +153,16 @@ def main() -> None:
             drafter.float()
             step_times[size].append(training_step_seconds(drafter, target, batch, optimizers[size]))
 
+    walk = {}
+    if args.drafter:  # a trained drafter restricted to each subset, no retraining: τ full vs pruned
+        from hf_dflash.checkpoints import load_drafter
+        from hf_dflash.trainer.consistency import served_tau_estimate
+
+        trained = load_drafter(args.drafter)
+        held_out = [data[i] for i in range(len(data) - args.tau_samples, len(data))]
+        for size in sizes:
+            restricted = restrict_vocab(trained, size, subsets[size]).to(target.dtype)
+            walk[size] = served_tau_estimate(restricted, target, held_out).served_tau
     rows = []
     for size in sizes:
         ids = subsets[size]
@@ -147,6 +173,7 @@ def main() -> None:
                 "held_out_coverage": round(held, 4),
                 "draft_pass_ms": round(1000 * statistics.median(draft_times[size]), 2),
                 "training_step_s": round(statistics.median(step_times[size]), 3),
+                **({"served_tau_walk": round(walk[size], 4)} if walk else {}),
             }
         )
     base = rows[0]
@@ -156,7 +183,9 @@ def main() -> None:
     for row in rows:
         print(f"{str(row['draft_vocab']):>12} {row['held_out_coverage']:>12.4f} {row['draft_pass_ms']:>14.2f} "
               f"{row['draft_pass_ms'] / base['draft_pass_ms']:>7.2f}x {row['training_step_s']:>13.3f} "
-              f"{row['training_step_s'] / base['training_step_s']:>7.2f}x")
+              f"{row['training_step_s'] / base['training_step_s']:>7.2f}x"
+              + (f"   τ (walk, {args.drafter} restricted) {row['served_tau_walk']:.3f} "
+                 f"({100 * (row['served_tau_walk'] / base['served_tau_walk'] - 1):+.1f}%)" if walk else ""))
     result = {
         "settings": vars(args),
         "machine": {"processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
