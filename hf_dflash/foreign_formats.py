@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from .modeling_dflash.configuration_dflash import (
     CHECKPOINT_REQUIRED_FIELDS,
+    OFFICIAL_DECODER_FIELDS,
     SILENT_FALLBACK,
     rope_parameters_from_config,
 )
@@ -31,22 +32,9 @@ SPECULATORS_TYPE_FIELD = "speculators_model_type"
 # Weights a speculators checkpoint may carry that belong to the verifier (the target lends them here).
 SPECULATORS_VERIFIER_COPIES = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
                                "verifier_norm.weight", "t2d", "d2t")  # fmt: skip
-_SPECULATORS_DECODER_FIELDS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "hidden_act",
-    "rms_norm_eps",
-    "max_position_embeddings",
-    "initializer_range",
-    "attention_bias",
-    "attention_dropout",
-    "layer_types",
-    "sliding_window",
-    "vocab_size",
+# The decoder fields a speculators config carries (the target's depth and width are not among them).
+_SPECULATORS_DECODER_FIELDS = tuple(
+    field for field in OFFICIAL_DECODER_FIELDS if field not in ("num_target_layers", "target_hidden_size")
 )
 
 

@@ -77,20 +77,24 @@ def chi_square_against(counts: torch.Tensor, probs: torch.Tensor, label: str):
 
 
 @torch.no_grad()
-def test_generate_with_sampling_preserves_target_distribution():
+def check_sampled_second_token(target, drafter, label: str, draws: int = 1200) -> None:
     """End to end through `generate`: the 2nd new token (drafted, then verified by rejection sampling)
-    follows its exact marginal sum_t1 p(t1) p(t2 | t1) under the target with the same warpers."""
+    follows its exact marginal sum_t1 p(t1) p(t2 | t1) under the target with the same warpers, and
+    drafts really were accepted (acceptance is exercised, not only rejection)."""
     warpers = dict(temperature=0.8, top_k=40, top_p=0.95)
-    target = make_target("qwen3", seed=3)
-    drafter = make_drafter(target, block_size=4, seed=4)
     prefix = torch.tensor([[5, 17, 33, 9, 71]])
     p_second = second_token_marginal(target, prefix, **warpers)
     torch.manual_seed(0)
     counts = torch.zeros_like(p_second)
     rounds = []
-    for _ in range(1200):
+    for _ in range(draws):
         out = target.generate(prefix, do_sample=True, max_new_tokens=3, assistant_model=drafter, eos_token_id=None, **warpers)
         counts[out[0, prefix.shape[1] + 1]] += 1
         rounds += drafter.last_acceptance.acceptance_lengths
-    assert chi_square_against(counts, p_second, "generate(do_sample)").pvalue > ALPHA
-    assert max(rounds) >= 2  # drafts really were accepted: acceptance is exercised, not only rejection
+    assert chi_square_against(counts, p_second, label).pvalue > ALPHA
+    assert max(rounds) >= 2
+
+
+def test_generate_with_sampling_preserves_target_distribution():
+    target = make_target("qwen3", seed=3)
+    check_sampled_second_token(target, make_drafter(target, block_size=4, seed=4), "generate(do_sample)")
