@@ -78,3 +78,26 @@ def test_training_reads_a_packed_folder_with_a_sample_limit(tmp_path, run_config
     record = json.loads((tmp_path / "drafter" / "training_record.json").read_text())
     assert record["num_samples"] == 4 and record["data_sources"] == {"gsm8k": 2, "math": 2}
     assert len(trainer.train_dataset) == 4
+
+
+def test_pack_data_command_records_the_run_settings(tmp_path, monkeypatch, capsys):
+    from hf_dflash import cli
+
+    tok = make_char_tokenizer()
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: tok)
+    monkeypatch.setattr("hf_dflash.models.default_cache_dir", lambda: tmp_path)  # a "converted" target folder
+    (tmp_path / "smollm2-135m-instruct").mkdir()
+    tokenized, responses = tmp_path / "tok", tmp_path / "responses"
+    write_tokenized(tokenized, "tokenized-00000.jsonl", [sample(0), sample(1, "math")])
+    responses.mkdir()
+    (responses / "config.json").write_text(json.dumps({"dtype": "torch.bfloat16", "max_new_tokens": 384}))
+    (tokenized / "config.json").write_text(json.dumps({"max_length": 1024}))
+    argv = ["pack-data", "--tokenized", str(tokenized), "--out", str(tmp_path / "packed"), "--part", "p1",
+            "--responses", str(responses), "--note", "a test"]
+    assert cli.main(argv) == 0
+    assert "2 samples" in capsys.readouterr().out
+    settings = read_manifest(tmp_path / "packed")["parts"]["p1"]["settings"]
+    assert settings == {"regeneration": {"dtype": "torch.bfloat16", "max_new_tokens": 384},
+                        "tokenization": {"max_length": 1024}, "note": "a test"}
+    assert cli.main([*argv[:-4], "--responses", str(tmp_path / "nowhere")]) == 1
+    assert "does not exist" in capsys.readouterr().err
