@@ -251,3 +251,122 @@ def parse_block_size_policy(text: str, max_block_size: int) -> str | int | None:
         f"block size policy {text!r}: use 'trained' (the drafter's block size {max_block_size}), 'adaptive', "
         f"or a block length k with 1 <= k <= {max_block_size}."
     )
+
+
+# --- hybrid drafting: how many DFlash and n-gram drafts a round's tree holds ---
+
+
+def best_tree_size(
+    expected_block: torch.Tensor, ngram_gain: torch.Tensor, seconds: torch.Tensor, one_branch: bool
+) -> tuple[int, int]:
+    """(k, m) = argmax (E_block(k) + G(m)) / seconds(k, m), the smallest k, then m, on ties.
+
+    expected_block (B,): E_block(k) at k = 1..B, tokens a round with block length k commits from the block
+    (bonus included); ngram_gain (M+1,): G(m), expected accepted n-gram drafts when m are offered (G(0) = 0);
+    seconds (B, M+1): seconds of a round with k and m (`CostModel.tree_round_seconds`). The two branches'
+    accepted drafts are counted as exclusive (they are, unless their first drafts agree, and then the tree
+    shares those nodes and costs less). one_branch: only k = 1 or m = 0 (the branch is chosen before
+    verification: sampling, or a target that cannot verify a tree).
+    """
+    score = (expected_block[:, None] + ngram_gain[None, :]) / seconds
+    if one_branch:
+        allowed = torch.zeros_like(score, dtype=torch.bool)
+        allowed[0, :] = allowed[:, 0] = True
+        score = score.masked_fill(~allowed, float("-inf"))
+    index = int(score.flatten().argmax())  # the first maximum: smallest k, then smallest m
+    return index // score.shape[1] + 1, index % score.shape[1]
+
+
+@dataclass
+class BranchEstimate:
+    """Discounted per-slot acceptance counts of one draft branch (the estimator of `AdaptiveBlockSize`)."""
+
+    slots: int
+    settings: AdaptiveBlockSize
+    successes: torch.Tensor = field(init=False)  # (1, slots)
+    trials: torch.Tensor = field(init=False)  # (1, slots)
+
+    def __post_init__(self):
+        self.successes = torch.zeros(1, self.slots, dtype=torch.float64)
+        self.trials = torch.zeros_like(self.successes)
+
+    def expected_tokens(self) -> torch.Tensor:
+        """(slots + 1,): 1 + expected accepted drafts when 0..slots are offered."""
+        p = acceptance_probabilities(self.successes, self.trials, self.settings.prior, self.settings.prior_weight)
+        return expected_tokens(p)[0]
+
+    def observe(self, compared: int, agreed: int) -> None:
+        """The branch's first `compared` drafts were checked against the committed tokens; `agreed` of them
+        (a prefix) matched."""
+        self.successes, self.trials = update_acceptance_counts(
+            self.successes, self.trials, torch.tensor([compared]), torch.tensor([agreed]), self.settings.decay
+        )
+
+
+@dataclass
+class TreeBudget:
+    """Chooses, each round of one hybrid `generate` call, the block length k and the n-gram drafts m.
+
+    Both branches keep running acceptance estimates (as the adaptive block size does). With a cost model
+    (adaptive policy), (k, m) maximises expected committed tokens per second (`best_tree_size`): where a
+    bigger tree costs more than its expected extra tokens are worth, the tree stays small. With a fixed k
+    or a schedule (`block`), the tree holds that block and every n-gram draft found; when one branch
+    must be chosen, the one with more expected tokens.
+    """
+
+    max_block_size: int
+    max_ngram_tokens: int
+    one_branch: bool
+    settings: AdaptiveBlockSize
+    cost_model: CostModel | None = None
+    block: BlockSizeController | None = None
+    block_estimate: BranchEstimate = field(init=False)
+    ngram_estimate: BranchEstimate = field(init=False)
+    seconds: torch.Tensor | None = field(init=False, default=None)  # (B, M+1)
+
+    def __post_init__(self):
+        if (self.cost_model is None) == (self.block is None):
+            raise ValueError("TreeBudget needs exactly one of cost_model (adaptive) or block (a fixed k or schedule).")
+        self.block_estimate = BranchEstimate(self.max_block_size - 1, self.settings)
+        self.ngram_estimate = BranchEstimate(self.max_ngram_tokens, self.settings)
+        if self.cost_model is not None:
+            self.seconds = self.cost_model.tree_round_seconds(1, self.max_block_size, self.max_ngram_tokens)
+
+    def choose(self, ngram_found: int) -> tuple[int, int]:
+        """(k, m) for the next round, given that `ngram_found` n-gram drafts are available (m <= ngram_found)."""
+        expected_block = self.block_estimate.expected_tokens()
+        gain = self.ngram_estimate.expected_tokens()[: ngram_found + 1] - 1
+        if self.block is None:
+            return best_tree_size(expected_block, gain, self.seconds[:, : ngram_found + 1], self.one_branch)
+        k = self.block.choose([0])
+        if not self.one_branch or not ngram_found:
+            return k, ngram_found
+        return (k, 0) if expected_block[k - 1] >= 1 + gain[-1] else (1, ngram_found)
+
+    def observe(self, block_compared: int, block_agreed: int, ngram_compared: int, ngram_agreed: int) -> None:
+        """Each branch's drafts checked against the round's committed tokens (see `BranchEstimate.observe`).
+        Rounds without an n-gram continuation say nothing about the n-gram branch and leave it alone."""
+        self.block_estimate.observe(block_compared, block_agreed)
+        if ngram_compared:
+            self.ngram_estimate.observe(ngram_compared, ngram_agreed)
+        if self.block is not None:
+            self.block.observe([0], block_compared, torch.tensor([block_agreed]))
+
+
+def tree_budget(
+    drafter: DFlashDraftModel, target: PreTrainedModel, max_ngram_tokens: int, one_branch: bool
+) -> TreeBudget:
+    """The budget of one hybrid `generate` call from `drafter.block_size_policy`: None or "adaptive" (the
+    default here: the cost model measured once per pair and machine, verification passes included), an
+    `AdaptiveBlockSize`, a fixed k or a schedule (tree = that block + every n-gram draft found)."""
+    policy = getattr(drafter, POLICY_ATTRIBUTE, None)
+    if policy is None or (isinstance(policy, str) and policy == "adaptive"):
+        policy = AdaptiveBlockSize()
+    max_block_size = drafter.config.block_size
+    if isinstance(policy, AdaptiveBlockSize):
+        cost_model = policy.cost_model
+        if cost_model is None:
+            cost_model = measured_cost_model(target, drafter, (1,), policy.cache_dir, verification=True)
+        return TreeBudget(max_block_size, max_ngram_tokens, one_branch, policy, cost_model=cost_model)
+    block = block_size_controller(drafter, target, batch_size=1)  # a fixed k or a schedule; bad ones raise
+    return TreeBudget(max_block_size, max_ngram_tokens, one_branch, AdaptiveBlockSize(), block=block)

@@ -32,3 +32,20 @@ def ngram_continuation(sequence: torch.LongTensor, max_ngram_size: int, num_toke
             index = start + torch.arange(num_tokens, device=sequence.device) % period
             return sequence[index]
     return sequence[:0]
+
+
+class PromptLookup:
+    """The n-gram branch of hybrid drafting: up to `num_tokens` drafts continuing a suffix n-gram of at most
+    `max_ngram_size` tokens (`generate`'s `prompt_lookup_num_tokens` and `max_matching_ngram_size`)."""
+
+    def __init__(self, num_tokens: int, max_ngram_size: int = 2):
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+            raise ValueError(f"prompt_lookup_num_tokens must be an int >= 1 (n-gram drafts per round), got {num_tokens!r}.")
+        if isinstance(max_ngram_size, bool) or not isinstance(max_ngram_size, int) or max_ngram_size < 1:
+            raise ValueError(f"max_matching_ngram_size must be an int >= 1, got {max_ngram_size!r}.")
+        self.num_tokens = num_tokens
+        self.max_ngram_size = max_ngram_size
+
+    def draft(self, sequence: torch.LongTensor, max_tokens: int) -> torch.LongTensor:
+        """(<= min(num_tokens, max_tokens),) drafts after `sequence` (L,)."""
+        return ngram_continuation(sequence, self.max_ngram_size, max(0, min(self.num_tokens, max_tokens)))
