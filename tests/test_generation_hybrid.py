@@ -69,7 +69,9 @@ def test_random_drafter_hybrid_matches_plain_greedy(arch, block_size, repeats, m
         assert sum(stats.acceptance_lengths) + 1 == 37
         assert len(stats.tree_sizes) == len(stats.block_tokens) == len(stats.ngram_tokens) == len(stats.acceptance_lengths)
     assert trees.count > 0
-    assert sum(drafter.last_acceptance.ngram_tokens) > 0  # random tiny targets loop: the n-gram branch is accepted
+    stats = drafter.last_acceptance
+    assert sum(stats.ngram_tokens) > 0  # random tiny targets loop: the n-gram branch is accepted
+    assert sum(stats.histogram) == len(stats.acceptance_lengths)  # rounds longer than the block are counted
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))

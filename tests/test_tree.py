@@ -2,6 +2,8 @@
 longest accepted path, the per-node logits processing and the cache gather, each against a hand-made or
 brute-force oracle; and one tree forward of a real (tiny) target against each branch run as a chain."""
 
+import inspect
+
 import pytest
 import torch
 from transformers import DynamicCache, LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper
@@ -189,12 +191,14 @@ def test_tree_forward_matches_each_branch_verified_alone(arch, attn):
     context = torch.randint(3, VOCAB, (1, 9), generator=generator)
     tree = merge_branches(int(context[0, -1]), [tokens(11, 12, 13, 14), tokens(11, 12, 20), tokens(30, 31)])
     cache = DynamicCache(config=target.config)
-    target(context[:, :-1], cache=cache, use_cache=True)
+    # Transformers 5.24 names the forward's cache argument `cache`, 5.23 `past_key_values`
+    name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+    target(context[:, :-1], use_cache=True, **{name: cache})
     past = context.shape[1] - 1
     out = target(
         tree.tokens[None],
-        cache=cache,
         use_cache=True,
+        **{name: cache},
         attention_mask=tree_attention_bias(tree.parents, past, target.dtype, target.device),
         position_ids=(past + tree_depths(tree.parents))[None],
         output_hidden_states=True,
@@ -208,6 +212,6 @@ def test_tree_forward_matches_each_branch_verified_alone(arch, attn):
     keep = [0, 6, 7]  # root -> 30 -> 31 (the third branch: not contiguous in the layout)
     keep_tree_path(cache, tree.num_nodes, keep)
     following = tokens(40, 41)[None]
-    continued = target(following, cache=cache, use_cache=True).logits
+    continued = target(following, use_cache=True, **{name: cache}).logits
     expected = target(torch.cat([context[:, :-1], tree.tokens[keep][None], following], 1)).logits[:, -2:]
     torch.testing.assert_close(continued, expected, rtol=1e-4, atol=1e-5)

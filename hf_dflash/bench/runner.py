@@ -39,6 +39,8 @@ class Sample:
     acceptance_lengths: list[int] | None  # per verification round; None for plain decoding
     identical: bool | None  # equals plain greedy; None for plain itself and when sampling
     divergence: Divergence | None  # where it first differs from plain greedy (when not identical)
+    branches: dict[str, int] | None = None  # hybrid: committed tokens by origin (see `Generation`)
+    round_costs: list[list[float]] | None = None  # hybrid: [tree nodes, target forward seconds] per round
 
 
 def rotated(methods: Sequence[str], index: int) -> list[str]:
@@ -86,6 +88,8 @@ def compare_turn(
                 acceptance_lengths=generation.acceptance_lengths,
                 identical=(divergence is None) if checked else None,
                 divergence=divergence,
+                branches=generation.branches,
+                round_costs=generation.round_costs,
             )
         )
     return samples

@@ -45,8 +45,9 @@ class AcceptanceStats:
 
     @property
     def histogram(self) -> list[int]:
-        """histogram[t - 1] = number of rounds that committed t tokens, t = 1..block_size."""
-        counts = [0] * self.block_size
+        """histogram[t - 1] = number of rounds that committed t tokens, t = 1..block_size (further when hybrid
+        drafting accepted an n-gram branch deeper than the block)."""
+        counts = [0] * max([self.block_size, *self.acceptance_lengths])
         for length in self.acceptance_lengths:
             counts[length - 1] += 1
         return counts
