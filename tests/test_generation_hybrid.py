@@ -31,6 +31,16 @@ def hybrid(target, drafter, input_ids, m=5, **kwargs):
     return target.generate(input_ids, assistant_model=drafter, prompt_lookup_num_tokens=m, **kwargs)
 
 
+def committed(stats) -> int:
+    """New tokens accounted for by the rounds (+ the prefill's token when the prefill drafted nothing)."""
+    return sum(stats.acceptance_lengths) + (not stats.first_round_in_prefill)
+
+
+def after_prefill(stats, values: list) -> list:
+    """`values` per round without the prefill's round (when the prefill verified n-gram drafts)."""
+    return values[1:] if stats.first_round_in_prefill else values
+
+
 def oracle_for(target, input_ids, block_size, max_new_tokens):
     greedy = target.generate(input_ids, max_new_tokens=max_new_tokens + block_size, **GREEDY)
     config = make_drafter(target, block_size=block_size).config
@@ -66,7 +76,7 @@ def test_random_drafter_hybrid_matches_plain_greedy(arch, block_size, repeats, m
         actual = hybrid(target, drafter, input_ids, m=m, max_new_tokens=37, **GREEDY)
         assert torch.equal(actual, expected)
         stats = drafter.last_acceptance
-        assert sum(stats.acceptance_lengths) + 1 == 37
+        assert committed(stats) == 37
         assert len(stats.tree_sizes) == len(stats.block_tokens) == len(stats.ngram_tokens) == len(stats.acceptance_lengths)
     assert trees.count > 0
     stats = drafter.last_acceptance
@@ -86,9 +96,10 @@ def test_oracle_drafter_hybrid_matches_and_never_overshoots(arch, block_size, ma
     actual = hybrid(target, drafter, input_ids, m=6, max_new_tokens=max_new_tokens, **GREEDY)
     assert torch.equal(actual, expected)
     stats = drafter.last_acceptance
-    assert sum(stats.acceptance_lengths) + 1 == max_new_tokens
-    # the DFlash branch is always right: every round commits at least the whole block (unless at the end)
-    assert all(tau >= block_size for tau in stats.acceptance_lengths[:-1])
+    assert committed(stats) == max_new_tokens
+    # the DFlash branch is always right: every round commits at least the whole block (unless at the end;
+    # a prefill that verified n-gram drafts had no block)
+    assert all(tau >= block_size for tau in after_prefill(stats, stats.acceptance_lengths)[:-1])
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
@@ -111,7 +122,7 @@ def test_random_block_schedule_and_eager_attention(arch, monkeypatch):
 
 def rounds(stats) -> list[tuple[int, int, int, int]]:
     """(offset of the round's first new token, drafts accepted, from the block, from the n-gram branch)."""
-    offset, out = 1, []  # new token 0 comes from the prefill
+    offset, out = 0 if stats.first_round_in_prefill else 1, []  # else new token 0 comes from the prefill
     for tau, block, ngram in zip(stats.acceptance_lengths, stats.block_tokens, stats.ngram_tokens):
         out.append((offset, tau - 1, block, ngram))
         offset += tau
@@ -192,9 +203,9 @@ def test_stops_landing_inside_either_branch(branch):
                 assert torch.equal(actual, target.generate(input_ids, max_new_tokens=60, eos_token_id=free[offset]))
                 assert actual.shape[1] == length + offset + 1
                 tried["eos"] += 1
-            stop = tokenizer.decode(free[offset - 1 : offset + 1])
+            stop = tokenizer.decode(free[max(offset - 1, 0) : offset + 1])  # the 2 characters ending at offset
             text = tokenizer.decode(input_ids[0, -1:].tolist() + free)  # one character per token
-            if text.find(stop) == offset:  # the first time the sequence ends with the stop string
+            if offset and text.find(stop) == offset:  # the first time the sequence ends with the stop string
                 kwargs = dict(max_new_tokens=60, do_sample=False, eos_token_id=None, stop_strings=[stop], tokenizer=tokenizer)
                 actual = hybrid(target, drafter, input_ids, m=8, **kwargs)
                 assert torch.equal(actual, target.generate(input_ids, **kwargs))
@@ -213,7 +224,7 @@ def test_max_new_tokens_inside_the_ngram_branch():
         expected = target.generate(input_ids, max_new_tokens=max_new_tokens, **GREEDY)
         actual = hybrid(target, drafter, input_ids, m=10, max_new_tokens=max_new_tokens, **GREEDY)
         assert torch.equal(actual, expected)
-        assert sum(drafter.last_acceptance.acceptance_lengths) + 1 == max_new_tokens
+        assert committed(drafter.last_acceptance) == max_new_tokens
 
 
 # --- what the loop hands on: drafter features, outputs, logits processors ---
@@ -273,6 +284,7 @@ def test_return_dict_scores_logits_hidden_states_and_processors_match_plain():
         for a, b in zip(mine, theirs, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert max(drafter.last_acceptance.tree_sizes) > 4  # trees really were verified
+    assert drafter.last_acceptance.first_round_in_prefill  # ... and n-gram drafts in the prefill
 
 
 # --- fallbacks, budget, errors ---
@@ -306,12 +318,12 @@ def test_cost_model_keeps_the_tree_small_where_big_forwards_are_expensive():
     expected = target.generate(input_ids, max_new_tokens=60, **GREEDY)
     assert torch.equal(hybrid(target, drafter, input_ids, m=10, max_new_tokens=60, **GREEDY), expected)
     stats = drafter.last_acceptance
-    assert max(stats.tree_sizes) <= 16 and stats.block_sizes[0] == 16
+    assert max(stats.tree_sizes) <= 16 and after_prefill(stats, stats.block_sizes)[0] == 16
 
     flat = CostModel.from_function(lambda k: 1.0 + 1.0 * (k > 1), 16, lambda n: 1.0, 32)  # a drafter pass: 1 s
     drafter.block_size_policy = AdaptiveBlockSize(cost_model=flat)
     assert torch.equal(hybrid(target, drafter, input_ids, m=10, max_new_tokens=60, **GREEDY), expected)
-    sizes = drafter.last_acceptance.block_sizes
+    sizes = after_prefill(drafter.last_acceptance, drafter.last_acceptance.block_sizes)
     # the random block stops paying for its pass: later rounds skip it (it may be retried now and then)
     assert sizes[0] == 16 and sizes[2:].count(1) >= 0.8 * len(sizes[2:]), sizes
 

@@ -61,15 +61,34 @@ def test_tree_budget_learns_each_branch_and_skips_what_is_never_accepted():
     cost = CostModel.from_function(lambda k: 1.0 + 0.5 * (k > 1), 4, lambda n: 1.0 + 0.2 * (n - 1), 8)
     budget = TreeBudget(4, 3, one_branch=False, settings=AdaptiveBlockSize(), cost_model=cost)
     assert budget.choose(3) == (4, 3)  # optimistic prior: everything
-    assert budget.choose(0) == (4, 0)
-    for _ in range(10):  # the block is always rejected, the n-gram drafts always accepted
+    assert budget.choose(3, block_allowed=False) == (1, 3)  # the prefill: no block
+    for _ in range(10):  # beside the n-gram drafts the block is always rejected; they are always accepted
+        budget.choose(3)
         budget.observe(block_compared=1, block_agreed=0, ngram_compared=3, ngram_agreed=3)
     assert budget.choose(3) == (1, 3)
     assert budget.choose(1) == (1, 1)  # only one n-gram draft found this round
+    assert budget.choose(0) == (4, 0)  # without n-gram drafts, the block still has its (untouched) prior
     for _ in range(20):  # now the n-gram branch is always wrong too (rounds without a match leave it alone)
+        budget.choose(3)
         budget.observe(1, 0, 1, 0)
+        budget.choose(0)
         budget.observe(1, 0, 0, 0)
-    assert budget.choose(3) == (1, 0)
+    assert budget.choose(3) == (1, 0) and budget.choose(0) == (1, 0)
+
+
+def test_block_beside_ngram_counts_only_what_beats_the_ngram_branch():
+    budget = TreeBudget(4, 3, one_branch=False, settings=AdaptiveBlockSize(decay=1.0), block=FixedBlockSize(4))
+    budget.choose(3)
+    budget.observe(block_compared=3, block_agreed=2, ngram_compared=3, ngram_agreed=3)  # n-gram got further
+    budget.choose(3)
+    budget.observe(block_compared=3, block_agreed=3, ngram_compared=3, ngram_agreed=1)  # the block won
+    assert budget.block_beside_ngram.successes.tolist() == [[1.0, 1.0, 1.0]]
+    assert budget.block_beside_ngram.trials.tolist() == [[2.0, 1.0, 1.0]]
+    assert budget.block_estimate.trials.sum() == 0  # rounds with n-gram drafts leave the plain estimate alone
+    one = TreeBudget(4, 3, one_branch=True, settings=AdaptiveBlockSize(decay=1.0), block=FixedBlockSize(4))
+    one.choose(3)
+    one.observe(3, 2, 3, 3)  # one branch verified: the block counts for all it got accepted
+    assert one.block_estimate.successes.tolist() == [[1.0, 1.0, 0.0]]
 
 
 def test_tree_budget_with_a_fixed_block_size():

@@ -52,7 +52,7 @@ class Generation:
     # hybrid only: committed tokens by origin {"block", "ngram", "shared", "bonus"} (drafts accepted from the
     # DFlash block only, the n-gram branch only, both; the target's bonus token of each round) ...
     branches: dict[str, int] | None = None
-    # ... and [tree nodes, target forward seconds] per round
+    # ... and [tree nodes, target forward seconds] per round after the prefill
     round_costs: list[list[float]] | None = None
 
 
@@ -184,7 +184,9 @@ def generate_with(
     if method == "hybrid":
         stats = drafter.last_acceptance
         branches = branch_tokens(stats)
-        # one forward per round, after the prefill (and after any forwards timing the cost model on a first call)
-        forwards = timer.seconds[len(timer.seconds) - len(stats.tree_sizes) :] if stats.tree_sizes else []
-        round_costs = [[size, forward] for size, forward in zip(stats.tree_sizes, forwards, strict=True)]
+        # one forward per round after the prefill (the last ones: a first call also times the cost model); a
+        # prefill that verified n-gram drafts is a round but not a tree forward like the others: left out
+        sizes = stats.tree_sizes[1:] if stats.first_round_in_prefill else stats.tree_sizes
+        forwards = timer.seconds[len(timer.seconds) - len(sizes) :] if sizes else []
+        round_costs = [[size, forward] for size, forward in zip(sizes, forwards, strict=True)]
     return Generation(sequences, seconds, lengths, branches, round_costs)

@@ -312,6 +312,13 @@ class TreeBudget:
     bigger tree costs more than its expected extra tokens are worth, the tree stays small. With a fixed k
     or a schedule (`block`), the tree holds that block and every n-gram draft found; when one branch
     must be chosen, the one with more expected tokens.
+
+    Beside an n-gram continuation, the block is worth only the drafts it gets accepted beyond the n-gram
+    branch (where both agree, the tree shares their nodes; where the n-gram branch wins, the block's
+    drafts were wasted). So in a tree, rounds that found an n-gram continuation keep their own block
+    estimate of that gain (`block_beside_ngram`: a round counts the block's accepted drafts if they beat
+    the n-gram branch's, else none), apart from rounds without one (`block_estimate`). When one branch is
+    verified, the block is worth all its accepted drafts: only `block_estimate` is used.
     """
 
     max_block_size: int
@@ -321,23 +328,32 @@ class TreeBudget:
     cost_model: CostModel | None = None
     block: BlockSizeController | None = None
     block_estimate: BranchEstimate = field(init=False)
+    block_beside_ngram: BranchEstimate = field(init=False)
     ngram_estimate: BranchEstimate = field(init=False)
     seconds: torch.Tensor | None = field(init=False, default=None)  # (B, M+1)
+    beside_ngram: bool = field(init=False, default=False)  # the last `choose` had n-gram drafts (tree mode)
 
     def __post_init__(self):
         if (self.cost_model is None) == (self.block is None):
             raise ValueError("TreeBudget needs exactly one of cost_model (adaptive) or block (a fixed k or schedule).")
         self.block_estimate = BranchEstimate(self.max_block_size - 1, self.settings)
+        self.block_beside_ngram = BranchEstimate(self.max_block_size - 1, self.settings)
         self.ngram_estimate = BranchEstimate(self.max_ngram_tokens, self.settings)
         if self.cost_model is not None:
             self.seconds = self.cost_model.tree_round_seconds(1, self.max_block_size, self.max_ngram_tokens)
 
-    def choose(self, ngram_found: int) -> tuple[int, int]:
-        """(k, m) for the next round, given that `ngram_found` n-gram drafts are available (m <= ngram_found)."""
-        expected_block = self.block_estimate.expected_tokens()
+    def choose(self, ngram_found: int, block_allowed: bool = True) -> tuple[int, int]:
+        """(k, m) for the next round, given that `ngram_found` n-gram drafts are available (m <= ngram_found);
+        k = 1 when the block is not allowed (the prefill: the drafter has no context features yet)."""
+        self.beside_ngram = bool(ngram_found) and not self.one_branch
+        block_estimate = self.block_beside_ngram if self.beside_ngram else self.block_estimate
+        expected_block = block_estimate.expected_tokens()[: self.max_block_size if block_allowed else 1]
         gain = self.ngram_estimate.expected_tokens()[: ngram_found + 1] - 1
         if self.block is None:
-            return best_tree_size(expected_block, gain, self.seconds[:, : ngram_found + 1], self.one_branch)
+            seconds = self.seconds[: len(expected_block), : ngram_found + 1]
+            return best_tree_size(expected_block, gain, seconds, self.one_branch)
+        if not block_allowed:
+            return 1, ngram_found
         k = self.block.choose([0])
         if not self.one_branch or not ngram_found:
             return k, ngram_found
@@ -346,7 +362,10 @@ class TreeBudget:
     def observe(self, block_compared: int, block_agreed: int, ngram_compared: int, ngram_agreed: int) -> None:
         """Each branch's drafts checked against the round's committed tokens (see `BranchEstimate.observe`).
         Rounds without an n-gram continuation say nothing about the n-gram branch and leave it alone."""
-        self.block_estimate.observe(block_compared, block_agreed)
+        if self.beside_ngram:
+            self.block_beside_ngram.observe(block_compared, block_agreed if block_agreed > ngram_agreed else 0)
+        else:
+            self.block_estimate.observe(block_compared, block_agreed)
         if ngram_compared:
             self.ngram_estimate.observe(ngram_compared, ngram_agreed)
         if self.block is not None:

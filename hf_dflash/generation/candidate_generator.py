@@ -27,7 +27,8 @@ class AcceptanceStats:
     is `block_size` unless `drafter.block_size_policy` chose otherwise.
     Hybrid drafting (batch size 1) also records, per verification round: tree_sizes, the nodes verified
     (bonus + DFlash drafts + n-gram drafts, shared prefixes once); block_tokens and ngram_tokens, the
-    accepted drafts that each branch had drafted (a shared prefix counts for both).
+    accepted drafts that each branch had drafted (a shared prefix counts for both). Its prefill may verify
+    n-gram drafts: then it is a round too (`first_round_in_prefill`), as in prompt lookup.
     """
 
     block_size: int
@@ -36,6 +37,7 @@ class AcceptanceStats:
     tree_sizes: list[int] = field(default_factory=list)
     block_tokens: list[int] = field(default_factory=list)
     ngram_tokens: list[int] = field(default_factory=list)
+    first_round_in_prefill: bool = False  # hybrid: the prefill verified n-gram drafts (round 0 is the prefill)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -129,7 +131,15 @@ class DFlashCandidateGenerator(CandidateGenerator):
         length = input_ids.shape[1]
         self.tree = None
         if is_first_iteration:
-            return input_ids, None
+            if self.prompt_lookup is None:
+                return input_ids, None
+            # Hybrid: the prefill may verify n-gram drafts (the block needs the prompt's features first).
+            block_length, ngram = self.choose_drafts(input_ids, block_allowed=False)
+            if not len(ngram):
+                return input_ids, None
+            self.stats.block_sizes.append(block_length)
+            self.stats.first_round_in_prefill = True
+            return self.candidates(input_ids, input_ids[:, :0], None, ngram)
         # The last target forward covered positions [features_length, length - 1) (the accepted tokens;
         # the bonus token's own features do not exist yet). Rounds without a drafter pass leave theirs pending.
         rows = length - 1 - self.features_length
@@ -165,12 +175,12 @@ class DFlashCandidateGenerator(CandidateGenerator):
             return self.candidates(input_ids, drafts, probs, ngram)
         return self.candidates(input_ids, greedy_tokens(logits), logits, ngram)
 
-    def choose_drafts(self, input_ids: torch.LongTensor) -> tuple[int, torch.LongTensor]:
+    def choose_drafts(self, input_ids: torch.LongTensor, block_allowed: bool = True) -> tuple[int, torch.LongTensor]:
         """The block length k and the n-gram drafts (m,) of this round (none without prompt lookup)."""
         if self.prompt_lookup is None:
             return self.controller.choose([0]), input_ids[0, :0]
         self.ngram_found = self.prompt_lookup.draft(input_ids[0], self.max_length - input_ids.shape[1] - 1)
-        block_length, num_ngram = self.tree_budget.choose(len(self.ngram_found))
+        block_length, num_ngram = self.tree_budget.choose(len(self.ngram_found), block_allowed)
         return block_length, self.ngram_found[:num_ngram]
 
     def candidates(

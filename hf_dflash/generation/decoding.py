@@ -187,7 +187,7 @@ def dflash_decoding(
         model_kwargs = model._update_model_kwargs_for_generation(
             outputs, model_kwargs, is_encoder_decoder=False, num_new_tokens=kept
         )
-        if not is_first_iteration:
+        if not is_first_iteration or num_drafts:  # a round (hybrid: the prefill may verify n-gram drafts)
             generator.update_candidate_strategy(input_ids, processed, num_matches)
 
         if scores is not None:
@@ -247,7 +247,9 @@ def tree_inputs(model, model_inputs: dict, tree, cur_len: int) -> dict:
 
 def split_hidden_states(layer_states: tuple, cur_len: int, kept: int, is_first_iteration: bool) -> tuple:
     """Per-token hidden states as plain decoding returns them: the prefill step covers the prompt and
-    the first token; every later token gets its own (B, 1, H) slice per layer."""
+    the first token; every later token gets its own (B, 1, H) slice per layer (after a prefill that
+    verified drafts: those of the accepted drafts, which follow the prompt)."""
     if is_first_iteration:
-        return (tuple(h[:, :cur_len] for h in layer_states),)
+        prefill = (tuple(h[:, :cur_len] for h in layer_states),)
+        return prefill + tuple(tuple(h[:, t : t + 1] for h in layer_states) for t in range(cur_len, cur_len + kept - 1))
     return tuple(tuple(h[:, t : t + 1] for h in layer_states) for t in range(kept))
