@@ -36,7 +36,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .adaptive import block_size_controller, tree_budget
 from .candidate_generator import DFlashCandidateGenerator
 from .batched import batched_dflash_decoding
-from .ngram import PromptLookup
+from .ngram import DEFAULT_MAX_NGRAM_SIZE, PromptLookup
 from .tree import greedy_tree_path, keep_tree_path, process_tree_logits, tree_attention_bias, tree_depths
 from .verification import (
     count_until_stop,
@@ -88,8 +88,9 @@ def dflash_decoding(
                 f"assistant) supports batch size 1, got {input_ids.shape[0]} prompts: generate them one by one, or "
                 "drop prompt_lookup_num_tokens for batched DFlash."
             )
+        max_ngram_size = generation_config.max_matching_ngram_size
         prompt_lookup = PromptLookup(
-            generation_config.prompt_lookup_num_tokens, generation_config.max_matching_ngram_size or 2
+            generation_config.prompt_lookup_num_tokens, DEFAULT_MAX_NGRAM_SIZE if max_ngram_size is None else max_ngram_size
         )
     if input_ids.shape[0] > 1:
         sequences, stats = batched_dflash_decoding(
