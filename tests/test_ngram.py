@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_dflash.generation.ngram import ngram_continuation
+from hf_dflash.generation.ngram import match_bucket, ngram_continuation, ngram_match
 
 
 def continuation(values, max_ngram_size=2, num_tokens=4) -> list[int]:
@@ -59,3 +59,14 @@ def test_matches_brute_force_on_random_sequences():
         values = torch.randint(0, 4, (length,), generator=generator).tolist()
         n, m = int(torch.randint(1, 5, (1,), generator=generator)), int(torch.randint(0, 8, (1,), generator=generator))
         assert continuation(values, n, m) == brute_force(values, n, m), (values, n, m)
+
+
+def test_match_length_and_bucket():
+    assert ngram_match(torch.tensor([7, 8, 5, 6, 7, 8, 9, 1, 3, 7, 8]), 8, 3)[1] == 2
+    drafts, length = ngram_match(torch.tensor([1, 2, 3, 4, 9, 1, 2, 3]), 8, 3)
+    assert drafts.tolist() == [4, 9, 1] and length == 3
+    assert ngram_match(torch.tensor([1, 2, 3, 4, 9, 1, 2, 3]), 2, 3)[1] == 2  # capped at max_ngram_size
+    assert ngram_match(torch.tensor([1, 2, 3]), 8, 3)[1] == 0
+    assert [match_bucket(n) for n in (1, 2, 3, 4, 8)] == [0, 1, 1, 2, 2]
+    with pytest.raises(ValueError, match="match_bucket"):
+        match_bucket(0)

@@ -76,14 +76,28 @@ def test_tree_budget_learns_each_branch_and_skips_what_is_never_accepted():
     assert budget.choose(3) == (1, 0) and budget.choose(0) == (1, 0)
 
 
+def test_estimates_are_kept_per_match_length():
+    """A 4-token match that always copies right and a 1-token match that never does: the budget offers the
+    n-gram drafts of the first, and the block where there is only the second."""
+    cost = CostModel.from_function(lambda k: 1.0 + 0.5 * (k > 1), 4, lambda n: 1.0 + 0.2 * (n - 1), 8)
+    budget = TreeBudget(4, 3, one_branch=False, settings=AdaptiveBlockSize(), cost_model=cost)
+    for _ in range(10):
+        budget.choose(3, match_length=5)
+        budget.observe(block_compared=1, block_agreed=0, ngram_compared=3, ngram_agreed=3)
+        budget.choose(3, match_length=1)
+        budget.observe(block_compared=3, block_agreed=3, ngram_compared=1, ngram_agreed=0)
+    assert budget.choose(3, match_length=4) == (1, 3)
+    assert budget.choose(3, match_length=1) == (4, 0)
+
+
 def test_block_beside_ngram_counts_only_what_beats_the_ngram_branch():
     budget = TreeBudget(4, 3, one_branch=False, settings=AdaptiveBlockSize(decay=1.0), block=FixedBlockSize(4))
     budget.choose(3)
     budget.observe(block_compared=3, block_agreed=2, ngram_compared=3, ngram_agreed=3)  # n-gram got further
     budget.choose(3)
     budget.observe(block_compared=3, block_agreed=3, ngram_compared=3, ngram_agreed=1)  # the block won
-    assert budget.block_beside_ngram.successes.tolist() == [[1.0, 1.0, 1.0]]
-    assert budget.block_beside_ngram.trials.tolist() == [[2.0, 1.0, 1.0]]
+    assert budget.block_beside_ngram[0].successes.tolist() == [[1.0, 1.0, 1.0]]  # bucket 0: 1-token matches
+    assert budget.block_beside_ngram[0].trials.tolist() == [[2.0, 1.0, 1.0]]
     assert budget.block_estimate.trials.sum() == 0  # rounds with n-gram drafts leave the plain estimate alone
     one = TreeBudget(4, 3, one_branch=True, settings=AdaptiveBlockSize(decay=1.0), block=FixedBlockSize(4))
     one.choose(3)
@@ -135,3 +149,16 @@ def test_real_verification_measurement_is_positive_and_leaves_rng_alone():
     seconds = measure_verification_seconds(target, drafter, rows=1, lengths=(1, 3, 8), repeats=1)
     assert len(seconds) == 3 and all(s > 0 for s in seconds) and list(seconds) == sorted(seconds)
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_copy_estimates_keep_unreached_slots_at_the_prior():
+    """The n-gram branch's slots shrink toward the prior each on its own (a copy right for its first drafts
+    tends to stay right); a model's slots shrink toward the slot before them."""
+    from hf_dflash.generation.adaptive import BranchEstimate
+
+    settings = AdaptiveBlockSize(decay=1.0)
+    copy, model = BranchEstimate(3, settings, chained=False), BranchEstimate(3, settings)
+    for estimate in (copy, model):
+        estimate.observe(compared=1, agreed=0)  # the first draft was rejected once
+    torch.testing.assert_close(copy.expected_tokens(), tensor([1.0, 1.5, 2.0, 2.5]))
+    torch.testing.assert_close(model.expected_tokens(), tensor([1.0, 1.5, 1.75, 1.875]))

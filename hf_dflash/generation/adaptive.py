@@ -22,7 +22,7 @@ Opt in on the drafter (a setting read by `generate`, like Transformers' assistan
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -31,6 +31,7 @@ from transformers import PreTrainedModel
 
 from ..modeling_dflash import DFlashDraftModel
 from .cost_model import CostModel, measured_cost_model
+from .ngram import MATCH_BUCKETS, match_bucket
 
 POLICY_ATTRIBUTE = "block_size_policy"  # the drafter attribute `generate` reads
 
@@ -255,6 +256,12 @@ def parse_block_size_policy(text: str, max_block_size: int) -> str | int | None:
 
 # --- hybrid drafting: how many DFlash and n-gram drafts a round's tree holds ---
 
+# The prior of the block's gain beside n-gram drafts, per match bucket (1, 2-3, >= 4 tokens), as a share of
+# `AdaptiveBlockSize.prior`: the longer the match, the likelier the copy is right and the block redundant.
+# A block is costly to try (its first pass reads the whole prompt's features), so beside a long match it
+# starts pessimistic and is drafted only where the n-gram estimate of that bucket falls.
+BESIDE_NGRAM_PRIOR_SCALES = (1.0, 0.5, 0.25)
+
 
 def best_tree_size(
     expected_block: torch.Tensor, ngram_gain: torch.Tensor, seconds: torch.Tensor, one_branch: bool
@@ -279,10 +286,16 @@ def best_tree_size(
 
 @dataclass
 class BranchEstimate:
-    """Discounted per-slot acceptance counts of one draft branch (the estimator of `AdaptiveBlockSize`)."""
+    """Discounted per-slot acceptance counts of one draft branch (the estimator of `AdaptiveBlockSize`).
+
+    chained: a slot rarely reached is assumed to accept like the slot before it (right for a model's
+    drafts, whose acceptance falls with depth); otherwise each slot shrinks toward the prior on its own
+    (right for a copy, which once right for a few tokens tends to stay right: its later slots, cheap to
+    verify, are then offered until evidence says otherwise)."""
 
     slots: int
     settings: AdaptiveBlockSize
+    chained: bool = True
     successes: torch.Tensor = field(init=False)  # (1, slots)
     trials: torch.Tensor = field(init=False)  # (1, slots)
 
@@ -292,7 +305,11 @@ class BranchEstimate:
 
     def expected_tokens(self) -> torch.Tensor:
         """(slots + 1,): 1 + expected accepted drafts when 0..slots are offered."""
-        p = acceptance_probabilities(self.successes, self.trials, self.settings.prior, self.settings.prior_weight)
+        prior, weight = self.settings.prior, self.settings.prior_weight
+        if self.chained:
+            p = acceptance_probabilities(self.successes, self.trials, prior, weight)
+        else:
+            p = (self.successes + weight * prior) / (self.trials + weight)
         return expected_tokens(p)[0]
 
     def observe(self, compared: int, agreed: int) -> None:
@@ -313,12 +330,14 @@ class TreeBudget:
     or a schedule (`block`), the tree holds that block and every n-gram draft found; when one branch
     must be chosen, the one with more expected tokens.
 
-    Beside an n-gram continuation, the block is worth only the drafts it gets accepted beyond the n-gram
-    branch (where both agree, the tree shares their nodes; where the n-gram branch wins, the block's
-    drafts were wasted). So in a tree, rounds that found an n-gram continuation keep their own block
-    estimate of that gain (`block_beside_ngram`: a round counts the block's accepted drafts if they beat
-    the n-gram branch's, else none), apart from rounds without one (`block_estimate`). When one branch is
-    verified, the block is worth all its accepted drafts: only `block_estimate` is used.
+    Estimates are kept per context. The n-gram branch's per match-length bucket (`ngram.match_bucket`: a
+    4-token match is a copy, a 1-token match a guess). Beside an n-gram continuation the block is worth
+    only the drafts it gets accepted beyond the n-gram branch (where both agree the tree shares their
+    nodes; where the n-gram branch wins the block's drafts were wasted): in a tree, rounds with n-gram
+    drafts keep their own block estimate of that gain per bucket (a round counts the block's accepted
+    drafts if they beat the n-gram branch's, else none), apart from rounds without n-gram drafts. When one
+    branch is verified, the block is worth all its accepted drafts: only the estimate without n-gram
+    drafts is used for it.
     """
 
     max_block_size: int
@@ -327,28 +346,34 @@ class TreeBudget:
     settings: AdaptiveBlockSize
     cost_model: CostModel | None = None
     block: BlockSizeController | None = None
-    block_estimate: BranchEstimate = field(init=False)
-    block_beside_ngram: BranchEstimate = field(init=False)
-    ngram_estimate: BranchEstimate = field(init=False)
+    block_estimate: BranchEstimate = field(init=False)  # the block, without n-gram drafts beside it
+    block_beside_ngram: list[BranchEstimate] = field(init=False)  # per match bucket: its gain over them
+    ngram_estimates: list[BranchEstimate] = field(init=False)  # per match bucket
     seconds: torch.Tensor | None = field(init=False, default=None)  # (B, M+1)
-    beside_ngram: bool = field(init=False, default=False)  # the last `choose` had n-gram drafts (tree mode)
+    bucket: int | None = field(init=False, default=None)  # the last `choose`'s match bucket (None: no match)
 
     def __post_init__(self):
         if (self.cost_model is None) == (self.block is None):
             raise ValueError("TreeBudget needs exactly one of cost_model (adaptive) or block (a fixed k or schedule).")
         self.block_estimate = BranchEstimate(self.max_block_size - 1, self.settings)
-        self.block_beside_ngram = BranchEstimate(self.max_block_size - 1, self.settings)
-        self.ngram_estimate = BranchEstimate(self.max_ngram_tokens, self.settings)
+        self.block_beside_ngram = [
+            BranchEstimate(self.max_block_size - 1, replace(self.settings, prior=self.settings.prior * scale))
+            for scale in BESIDE_NGRAM_PRIOR_SCALES
+        ]
+        self.ngram_estimates = [BranchEstimate(self.max_ngram_tokens, self.settings, chained=False) for _ in MATCH_BUCKETS]
         if self.cost_model is not None:
             self.seconds = self.cost_model.tree_round_seconds(1, self.max_block_size, self.max_ngram_tokens)
 
-    def choose(self, ngram_found: int, block_allowed: bool = True) -> tuple[int, int]:
-        """(k, m) for the next round, given that `ngram_found` n-gram drafts are available (m <= ngram_found);
-        k = 1 when the block is not allowed (the prefill: the drafter has no context features yet)."""
-        self.beside_ngram = bool(ngram_found) and not self.one_branch
-        block_estimate = self.block_beside_ngram if self.beside_ngram else self.block_estimate
+    def choose(self, ngram_found: int, block_allowed: bool = True, match_length: int = 1) -> tuple[int, int]:
+        """(k, m) for the next round, given that `ngram_found` n-gram drafts are available (m <= ngram_found)
+        from a suffix match of `match_length` tokens; k = 1 when the block is not allowed (the prefill: the
+        drafter has no context features yet)."""
+        self.bucket = match_bucket(match_length) if ngram_found else None
+        beside = self.bucket is not None and not self.one_branch
+        block_estimate = self.block_beside_ngram[self.bucket] if beside else self.block_estimate
         expected_block = block_estimate.expected_tokens()[: self.max_block_size if block_allowed else 1]
-        gain = self.ngram_estimate.expected_tokens()[: ngram_found + 1] - 1
+        ngram_estimate = self.ngram_estimates[self.bucket or 0]
+        gain = ngram_estimate.expected_tokens()[: ngram_found + 1] - 1
         if self.block is None:
             seconds = self.seconds[: len(expected_block), : ngram_found + 1]
             return best_tree_size(expected_block, gain, seconds, self.one_branch)
@@ -360,14 +385,19 @@ class TreeBudget:
         return (k, 0) if expected_block[k - 1] >= 1 + gain[-1] else (1, ngram_found)
 
     def observe(self, block_compared: int, block_agreed: int, ngram_compared: int, ngram_agreed: int) -> None:
-        """Each branch's drafts checked against the round's committed tokens (see `BranchEstimate.observe`).
-        Rounds without an n-gram continuation say nothing about the n-gram branch and leave it alone."""
-        if self.beside_ngram:
-            self.block_beside_ngram.observe(block_compared, block_agreed if block_agreed > ngram_agreed else 0)
+        """Each branch's drafts checked against the round's committed tokens (see `BranchEstimate.observe`),
+        in the context of the last `choose`. Rounds without an n-gram continuation leave its estimates alone."""
+        if self.bucket is not None and not self.one_branch:
+            # Only rounds that drafted the block count (no drift back to the prior while it is not drafted):
+            # beside a reliable copy it would otherwise be retried every few rounds, for nothing. Whether it
+            # is drafted still follows the n-gram branch's estimate, which every round with a match updates.
+            if block_compared:
+                gain = block_agreed if block_agreed > ngram_agreed else 0
+                self.block_beside_ngram[self.bucket].observe(block_compared, gain)
         else:
             self.block_estimate.observe(block_compared, block_agreed)
-        if ngram_compared:
-            self.ngram_estimate.observe(ngram_compared, ngram_agreed)
+        if self.bucket is not None and ngram_compared:
+            self.ngram_estimates[self.bucket].observe(ngram_compared, ngram_agreed)
         if self.block is not None:
             self.block.observe([0], block_compared, torch.tensor([block_agreed]))
 

@@ -179,8 +179,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
         """The block length k and the n-gram drafts (m,) of this round (none without prompt lookup)."""
         if self.prompt_lookup is None:
             return self.controller.choose([0]), input_ids[0, :0]
-        self.ngram_found = self.prompt_lookup.draft(input_ids[0], self.max_length - input_ids.shape[1] - 1)
-        block_length, num_ngram = self.tree_budget.choose(len(self.ngram_found), block_allowed)
+        self.ngram_found, match_length = self.prompt_lookup.draft(input_ids[0], self.max_length - input_ids.shape[1] - 1)
+        block_length, num_ngram = self.tree_budget.choose(len(self.ngram_found), block_allowed, match_length)
         return block_length, self.ngram_found[:num_ngram]
 
     def candidates(

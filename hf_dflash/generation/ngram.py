@@ -1,5 +1,7 @@
 """The n-gram draft source of hybrid drafting: continue the latest earlier occurrence of the longest
 suffix n-gram (n <= max_ngram_size) of the prompt + generated text, as prompt-lookup decoding does.
+The match length n is returned too: a long match is a reliable copy, a 1-gram match a guess, and the
+hybrid budget keeps separate acceptance estimates for them (`match_bucket`).
 
 Two choices differ from Transformers' `PromptLookupCandidateGenerator`: the LATEST occurrence wins (a
 model that repeats itself repeats what it just wrote), and a continuation that runs into the end of the
@@ -10,8 +12,25 @@ a repeated line is drafted to its full length instead of stopping at the text's 
 import torch
 
 
+MATCH_BUCKETS = (1, 2, 4)  # match lengths 1, 2-3, >= 4
+
+
+def match_bucket(match_length: int) -> int:
+    """0, 1 or 2 for a match of 1, 2-3 or >= 4 tokens (ValueError below 1)."""
+    if match_length < 1:
+        raise ValueError(f"match_bucket needs a match of >= 1 tokens, got {match_length}.")
+    return sum(match_length >= threshold for threshold in MATCH_BUCKETS) - 1
+
+
 def ngram_continuation(sequence: torch.LongTensor, max_ngram_size: int, num_tokens: int) -> torch.LongTensor:
     """(<= num_tokens,) drafted tokens after `sequence` (L,); empty when no suffix n-gram occurred before.
+    See `ngram_match`."""
+    return ngram_match(sequence, max_ngram_size, num_tokens)[0]
+
+
+def ngram_match(sequence: torch.LongTensor, max_ngram_size: int, num_tokens: int) -> tuple[torch.LongTensor, int]:
+    """(drafts (<= num_tokens,), n): the continuation of the longest suffix n-gram match, n = 0 (and no
+    drafts) when none.
 
     For n = min(max_ngram_size, L - 1) down to 1: if sequence[-n:] also starts at some i < L - n, take the
     largest such i and return x[i+n], x[i+n+1], ... (num_tokens of them), where x is the sequence extended
@@ -24,7 +43,7 @@ def ngram_continuation(sequence: torch.LongTensor, max_ngram_size: int, num_toke
     length = sequence.shape[0]
     span = min(max_ngram_size, length - 1)
     if span < 1:
-        return sequence[:0]
+        return sequence[:0], 0
     # match[e, t]: the token t before an occurrence ending at e (< L-1) equals the token t before the end
     ends = torch.arange(length - 1, device=sequence.device)[:, None]
     back = torch.arange(span, device=sequence.device)[None, :]
@@ -32,11 +51,12 @@ def ngram_continuation(sequence: torch.LongTensor, max_ngram_size: int, num_toke
     matched = match.int().cumprod(1).sum(1)  # (L-1,): length of the suffix n-gram ending at each e
     best = int(matched.max())
     if not best:
-        return sequence[:0]
+        return sequence[:0], 0
     start = int((matched == best).nonzero()[-1, 0]) + 1  # the latest of the longest matches
     period = length - start  # >= 1: the copy repeats the last `period` tokens
     index = start + torch.arange(num_tokens, device=sequence.device) % period
-    return sequence[index]
+    return sequence[index], best
+
 
 DEFAULT_MAX_NGRAM_SIZE = 8
 
@@ -57,6 +77,7 @@ class PromptLookup:
         self.num_tokens = num_tokens
         self.max_ngram_size = max_ngram_size
 
-    def draft(self, sequence: torch.LongTensor, max_tokens: int) -> torch.LongTensor:
-        """(<= min(num_tokens, max_tokens),) drafts after `sequence` (L,)."""
-        return ngram_continuation(sequence, self.max_ngram_size, max(0, min(self.num_tokens, max_tokens)))
+    def draft(self, sequence: torch.LongTensor, max_tokens: int) -> tuple[torch.LongTensor, int]:
+        """((<= min(num_tokens, max_tokens),) drafts after `sequence` (L,), their match length)."""
+        drafts, match_length = ngram_match(sequence, self.max_ngram_size, max(0, min(self.num_tokens, max_tokens)))
+        return drafts, match_length if len(drafts) else 0
