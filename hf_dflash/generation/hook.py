@@ -6,7 +6,8 @@ and dispatches to `GenerationMixin._assisted_decoding`. On import of `hf_dflash`
     gets our error naming the value and the fix (Transformers would call a vocab mismatch a
     "different tokenizers" problem);
   - decoding: a `DFlashDraftModel` assistant runs our loop, unless the caller explicitly asked for
-    Transformers' own loop with `speculation_type="dflash"`.
+    Transformers' own loop with `speculation_type="dflash"`; with `prompt_lookup_num_tokens` beside it,
+    our loop drafts with both (hybrid drafting, `decoding.py`).
 Every other call (normal assistant models, prompt lookup, MTP, early exit, ...) reaches the
 original methods unchanged, with the same arguments. Checked against Transformers 5.23.0 and 5.24.0.
 """
