@@ -371,10 +371,12 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 def register_bench(subparsers) -> None:
     from .bench import EVAL_SETS, METHODS
+    from .bench.prompts import BENCH_SETS
 
     parser = subparsers.add_parser(
         "bench",
-        help="benchmark plain decoding, DFlash (ours and Transformers' built-in) and prompt lookup side by side",
+        help="benchmark plain decoding, DFlash (ours and Transformers' built-in), prompt lookup and hybrid "
+        "drafting side by side",
         description="Run every method on the same prompts (a seeded sample of each evaluation set, or your JSONL), "
         "interleaved per prompt with the method order rotated, and report per set and overall: mean acceptance "
         "length τ, the acceptance-length histogram, tokens/s, speed-up over plain decoding and whether every "
@@ -393,7 +395,8 @@ def register_bench(subparsers) -> None:
         "--sets",
         type=_names,
         default=None,
-        help=f"comma-separated evaluation sets from {','.join(EVAL_SETS)} (default: all, or none with --prompts)",
+        help=f"comma-separated sets from {','.join(BENCH_SETS)} (code-edit: copy-heavy HumanEval edits; "
+        f"default: the evaluation sets {','.join(EVAL_SETS)}, or none with --prompts)",
     )
     parser.add_argument(
         "--prompts", default=None, help='your JSONL prompts: {"prompt": str} or {"messages": [...]} per line'

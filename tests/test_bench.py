@@ -27,7 +27,15 @@ PROMPTS = [
                   {"role": "user", "content": "And another one?"}]},  # two turns, as MT-Bench
 ]
 METHOD_FIELDS = {"new_tokens", "seconds", "tok_s", "speedup", "tau", "rounds", "histogram", "mean_block", "identical",
-                 "divergences"}
+                 "divergences", "branch_shares", "round_costs"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def private_cache(tmp_path_factory):
+    """The hybrid method times a cost model on first use: cache it in a temporary folder, not ~/.cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_DFLASH_CACHE", str(tmp_path_factory.mktemp("hf_dflash_cache")))
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +87,16 @@ def test_report_has_every_field_and_all_methods_equal_plain_greedy_in_fp32(greed
                 assert stats["tau"] == pytest.approx(
                     sum(t * count for t, count in enumerate(stats["histogram"], 1)) / stats["rounds"]
                 )
+            if method == "hybrid":
+                assert sum(stats["branch_shares"].values()) == pytest.approx(1.0)
+                assert stats["branch_shares"]["bonus"] == pytest.approx(1 / stats["tau"])
+                costs = stats["round_costs"]
+                # rounds after the prefill (a prefill that verified n-gram drafts is a round, not timed as one)
+                assert stats["rounds"] - row["generations"] <= costs["rounds"] <= stats["rounds"]
+                assert costs["mean_target_ms"] > 0
+                assert sum(entry["rounds"] for entry in costs["by_tree_size"].values()) == costs["rounds"]
+            else:
+                assert stats["branch_shares"] is None and stats["round_costs"] is None
     assert report["divergences"] == []
     samples = report["samples"]
     assert len(samples) == 4 * len(METHODS) and {sample["turn"] for sample in samples} == {0, 1}
@@ -139,12 +157,19 @@ def test_builtin_and_lookup_rounds_read_off_the_forwards():
     kwargs = {"do_sample": False, "max_new_tokens": 30, "eos_token_id": None}
     plain = target.generate(**inputs, **kwargs)
     drafter = OracleDrafter(make_drafter(target, block_size=4).config, target.lm_head.weight, plain).eval()
+    drafter.block_size_policy = 4  # hybrid: the whole block in every tree (the default budget times the machine)
     runs = {method: generate_with(method, target, drafter, inputs, kwargs) for method in METHODS}
     assert all(torch.equal(run.sequences, plain) for run in runs.values())
     assert runs["builtin"].acceptance_lengths == runs["dflash"].acceptance_lengths
     assert max(runs["dflash"].acceptance_lengths) == 4
     assert sum(runs["builtin"].acceptance_lengths) == 30 - 1 and sum(runs["lookup"].acceptance_lengths) == 30
     assert runs["plain"].acceptance_lengths is None
+    hybrid = runs["hybrid"]
+    prefill_token = not drafter.last_acceptance.first_round_in_prefill  # the prefill verified n-gram drafts, or not
+    assert sum(hybrid.acceptance_lengths) == sum(hybrid.branches.values()) == 30 - prefill_token
+    assert hybrid.branches["block"] + hybrid.branches["shared"] > 0  # the always-right block is accepted
+    assert [size for size, _ in hybrid.round_costs] == drafter.last_acceptance.tree_sizes[1 - prefill_token :]
+    assert all(seconds > 0 for _, seconds in hybrid.round_costs)
 
 
 def test_recorder_without_position_ids_fails_loudly():

@@ -105,11 +105,17 @@ def test_output_attentions_is_refused_clearly():
 # ---------------------------------------------------------------- options DFlash cannot serve (issue #13 B7)
 
 
-def test_prompt_lookup_with_a_dflash_drafter_is_refused_not_dropped():
-    """Stock Transformers would give prompt lookup precedence; we used to drop it silently."""
+def test_prompt_lookup_with_the_builtin_dflash_loop_is_refused_not_dropped():
+    """With speculation_type="dflash" Transformers would run prompt lookup alone and never call the drafter;
+    without it our loop uses both (hybrid drafting, tests/test_generation_hybrid.py)."""
     target = make_target("llama")
-    with pytest.raises(ValueError, match=r"prompt_lookup_num_tokens=3.*DFlash"):
-        target.generate(PROMPT, max_new_tokens=5, assistant_model=make_drafter(target), prompt_lookup_num_tokens=3)
+    with pytest.raises(ValueError, match=r"prompt_lookup_num_tokens=3 with speculation_type='dflash'"):
+        target.generate(PROMPT, max_new_tokens=5, assistant_model=make_drafter(target), prompt_lookup_num_tokens=3,
+                        speculation_type="dflash")
+    plain = target.generate(PROMPT, max_new_tokens=5, do_sample=False)
+    hybrid = target.generate(PROMPT, max_new_tokens=5, do_sample=False, assistant_model=make_drafter(target),
+                             prompt_lookup_num_tokens=3)
+    assert torch.equal(plain, hybrid)
 
 
 @pytest.mark.parametrize(

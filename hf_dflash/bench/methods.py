@@ -4,6 +4,7 @@
     dflash   target.generate(..., assistant_model=drafter)           this package's DFlash loop
     builtin  ... assistant_model=drafter, speculation_type="dflash"  Transformers' built-in DFlash loop
     lookup   ... prompt_lookup_num_tokens=10                         prompt-lookup decoding
+    hybrid   ... assistant_model=drafter, prompt_lookup_num_tokens=10  DFlash block + n-gram drafts as one tree
     plain-alt  plain decoding with the target in the OTHER dtype (bf16 <-> fp32): the baseline is the
              faster plain decoding of the two, so no speed-up is bought with a slow baseline
 
@@ -13,6 +14,10 @@ forwards with a forward pre-hook (each forward is one round; where it starts tel
 round before it committed). DFlash's prefill drafts nothing (it only produces the prompt features), so
 for both DFlash loops the prefill is not a round; prompt lookup drafts from the prompt in its very first
 forward, so there it is one.
+
+Hybrid runs also report where their committed tokens came from (`Generation.branches`) and, per round,
+the tree's size and the wall time of its target forward (`Generation.round_costs`, timed with forward
+hooks on the target).
 """
 
 from __future__ import annotations
@@ -28,13 +33,15 @@ __all__ = [
     "PLAIN_METHODS",
     "PROMPT_LOOKUP_NUM_TOKENS",
     "ForwardRecorder",
+    "ForwardTimer",
     "Generation",
+    "branch_tokens",
     "check_methods",
     "generate_with",
     "max_round_length",
 ]
 
-METHODS = ("plain", "dflash", "builtin", "lookup", "plain-alt")
+METHODS = ("plain", "dflash", "builtin", "lookup", "hybrid", "plain-alt")
 PLAIN_METHODS = ("plain", "plain-alt")  # no drafting: the candidates for the baseline
 PROMPT_LOOKUP_NUM_TOKENS = 10
 
@@ -47,6 +54,49 @@ class Generation:
     seconds: float
     acceptance_lengths: list[int] | None  # tokens committed per round; None for plain decoding
     block_sizes: list[int] | None = None  # our DFlash loop: the block length k of every round
+    # hybrid only: committed tokens by origin {"block", "ngram", "shared", "bonus"} (drafts accepted from the
+    # DFlash block only, the n-gram branch only, both; the target's bonus token of each round) ...
+    branches: dict[str, int] | None = None
+    # ... and [tree nodes, target forward seconds] per round after the prefill
+    round_costs: list[list[float]] | None = None
+
+
+class ForwardTimer:
+    """Context manager timing every forward of `module` (wall clock, synchronised on CUDA)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.seconds: list[float] = []
+
+    def __enter__(self) -> "ForwardTimer":
+        self.handles = [
+            self.module.register_forward_pre_hook(self._start),
+            self.module.register_forward_hook(self._stop),
+        ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def _start(self, module, args) -> None:
+        _synchronize(self.module.device)
+        self.started = time.perf_counter()
+
+    def _stop(self, module, args, output) -> None:
+        _synchronize(self.module.device)
+        self.seconds.append(time.perf_counter() - self.started)
+
+
+def branch_tokens(stats) -> dict[str, int]:
+    """Committed tokens of a hybrid call by origin, from its `AcceptanceStats`."""
+    shared = sum(min(block, ngram) for block, ngram in zip(stats.block_tokens, stats.ngram_tokens))
+    return {
+        "block": sum(stats.block_tokens) - shared,
+        "ngram": sum(stats.ngram_tokens) - shared,
+        "shared": shared,
+        "bonus": len(stats.acceptance_lengths),
+    }
 
 
 class ForwardRecorder:
@@ -89,7 +139,7 @@ def check_methods(methods) -> None:
 
 def method_kwargs(method: str, drafter: torch.nn.Module | None) -> dict:
     """The `generate` keyword arguments that select `method`."""
-    if method in ("dflash", "builtin") and drafter is None:
+    if method in ("dflash", "builtin", "hybrid") and drafter is None:
         raise ValueError(f"Method {method!r} needs a drafter.")
     return {
         "plain": {},
@@ -97,12 +147,15 @@ def method_kwargs(method: str, drafter: torch.nn.Module | None) -> dict:
         "dflash": {"assistant_model": drafter},
         "builtin": {"assistant_model": drafter, "speculation_type": "dflash"},
         "lookup": {"prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS},
+        "hybrid": {"assistant_model": drafter, "prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS},
     }[method]
 
 
 def max_round_length(method: str, block_size: int) -> int:
     """The most tokens one verification round of `method` can commit (drafts + bonus)."""
-    return {"plain": 1, "plain-alt": 1, "dflash": block_size, "builtin": block_size, "lookup": PROMPT_LOOKUP_NUM_TOKENS + 1}[method]
+    longest = {"plain": 1, "plain-alt": 1, "dflash": block_size, "builtin": block_size,
+               "lookup": PROMPT_LOOKUP_NUM_TOKENS + 1}  # fmt: skip
+    return longest.get(method, max(block_size, PROMPT_LOOKUP_NUM_TOKENS + 1))  # hybrid: the deeper branch
 
 
 def _synchronize(device: torch.device) -> None:
@@ -119,24 +172,36 @@ def generate_with(
     prompt_length = inputs["input_ids"].shape[1]
     # Only the methods whose rounds are read off the forwards pay for the hook (a few µs per forward).
     recorder = ForwardRecorder(target) if method in ("builtin", "lookup") else nullcontext()
-    with recorder:
+    timer = ForwardTimer(target) if method == "hybrid" else nullcontext()
+    with recorder, timer:
         _synchronize(target.device)
         start = time.perf_counter()
         sequences = target.generate(**inputs, **generation_kwargs, **method_kwargs(method, drafter))
         _synchronize(target.device)
         seconds = time.perf_counter() - start
+    branches = round_costs = block_sizes = None
     if method in PLAIN_METHODS:
         lengths = None
-    elif method == "dflash":
+    elif method in ("dflash", "hybrid"):
         lengths = list(drafter.last_acceptance.acceptance_lengths)
         block_sizes = list(drafter.last_acceptance.block_sizes)
     else:
         lengths = recorder.committed_per_forward(prompt_length, sequences.shape[1])
         if method == "builtin":
             lengths = lengths[1:]  # the prefill only produces the drafter's context features
+    if method == "hybrid":
+        stats = drafter.last_acceptance
+        branches = branch_tokens(stats)
+        # one forward per round after the prefill (the last ones: a first call also times the cost model); a
+        # prefill that verified n-gram drafts is a round but not a tree forward like the others: left out
+        sizes = stats.tree_sizes[1:] if stats.first_round_in_prefill else stats.tree_sizes
+        forwards = timer.seconds[len(timer.seconds) - len(sizes) :] if sizes else []
+        round_costs = [[size, forward] for size, forward in zip(sizes, forwards, strict=True)]
     return Generation(
         sequences=sequences,
         seconds=seconds,
         acceptance_lengths=lengths,
         block_sizes=block_sizes if method == "dflash" else None,
+        branches=branches,
+        round_costs=round_costs,
     )

@@ -9,12 +9,16 @@
                                           "tau", "rounds", "histogram" (histogram[t-1] = rounds committing t),
                                           "mean_block" (our loop: mean block length k the policy chose),
                                           "identical" (vs plain greedy; null when not checked),
-                                          "divergences" (answers that differ)}}}},
+                                          "divergences" (answers that differ),
+                                          "branch_shares" (hybrid: {"block", "ngram", "shared", "bonus"}
+                                                           shares of the rounds' committed tokens),
+                                          "round_costs" (hybrid: {"rounds", "mean_tree_size", "mean_target_ms",
+                                                         "by_tree_size": {nodes: {"rounds", "mean_target_ms"}}})}}}},
      "overall": {same as one set, over all of them},
      "divergences": [{"set", "prompt_id", "turn", "method", "position", "logit_gap", "reference_token",
                       "other_token"}],
      "samples": [{"set", "prompt_id", "turn", "method", "prompt_tokens", "new_tokens", "seconds",
-                  "acceptance_lengths", "identical", "divergence"}],
+                  "acceptance_lengths", "identical", "divergence", "branches", "round_costs"}],
      "plots": ["acceptance_gsm8k.png", ...],
      "card": {"command", "machine", "settings", "sets": {name: {"n", "tau", "speedup", "plain_tok_s",
               "dflash_tok_s", "identical"}}} or null}   # hf_dflash.hub_cards schema, DFlash vs plain
@@ -125,10 +129,61 @@ def format_table(report: dict) -> str:
         )
     if report["settings"].get("prompts_run"):
         text.append("prompts run: " + prompts_run_line(report["settings"]["prompts_run"]))
+    if "hybrid" in report["methods"]:
+        text += ["", format_hybrid_table(report)]
     for divergence in report["divergences"]:
         text.append(
             f"divergence: {divergence['set']} {divergence['prompt_id']} turn {divergence['turn']} "
             f"{divergence['method']}: first difference at new token {divergence['position']}, "
             f"target top-2 logit gap {divergence['logit_gap']:.4f}"
         )
+    return "\n".join(text)
+
+
+TREE_SIZE_BUCKETS = ((1, 1), (2, 4), (5, 8), (9, 12), (13, 16), (17, 20), (21, 24), (25, 32), (33, 10**6))
+
+
+def _columns(lines: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(line[column]) for line in lines) for column in range(len(lines[0]))]
+    text = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines]
+    text.insert(1, "  ".join("-" * width for width in widths))
+    return text
+
+
+def format_hybrid_table(report: dict) -> str:
+    """Hybrid drafting per set: where its committed tokens came from, its tree and forward cost per round,
+    and its speed-up against the better of DFlash and prompt lookup; then target forward time by tree size."""
+    header = ("set", "τ", "block", "n-gram", "both", "bonus", "nodes/round", "forward ms", "speedup",
+              "best other", "ratio")  # fmt: skip
+    lines = [header]
+    for name, row in {**report["sets"], OVERALL: report[OVERALL]}.items():
+        stats = row["methods"]["hybrid"]
+        shares, costs = stats["branch_shares"] or {}, stats["round_costs"]
+        others = [(row["methods"][m]["speedup"], m) for m in ("dflash", "lookup") if m in row["methods"]]
+        others = [(value, m) for value, m in others if value is not None]
+        best = max(others) if others else None
+        lines.append(
+            (
+                name,
+                _number(stats["tau"], ".2f"),
+                *(_number(shares.get(key), ".0%") for key in ("block", "ngram", "shared", "bonus")),
+                _number(costs["mean_tree_size"], ".1f"),
+                _number(costs["mean_target_ms"], ".1f"),
+                _number(stats["speedup"], ".2f") + ("x" if stats["speedup"] is not None else ""),
+                f"{best[0]:.2f}x {best[1]}" if best else "-",
+                f"{stats['speedup'] / best[0]:.2f}" if best and stats["speedup"] else "-",
+            )
+        )
+    text = ["hybrid: committed tokens by origin, cost per round, and against the better of dflash/lookup", *_columns(lines)]
+    by_size = report[OVERALL]["methods"]["hybrid"]["round_costs"]["by_tree_size"]
+    buckets = [("tree nodes", "rounds", "target forward ms")]
+    for low, high in TREE_SIZE_BUCKETS:
+        inside = [value for size, value in by_size.items() if low <= int(size) <= high]
+        rounds = sum(value["rounds"] for value in inside)
+        if rounds:
+            milliseconds = sum(value["rounds"] * value["mean_target_ms"] for value in inside) / rounds
+            label = str(low) if low == high else f"{low}-{high}" if high < 10**6 else f">= {low}"
+            buckets.append((label, str(rounds), f"{milliseconds:.1f}"))
+    if len(buckets) > 1:
+        text += ["", "hybrid rounds by tree size (overall)", *_columns(buckets)]
     return "\n".join(text)

@@ -40,6 +40,8 @@ class Sample:
     block_sizes: list[int] | None  # our DFlash loop: block length k of every round (policy's choice)
     identical: bool | None  # equals plain greedy; None for plain itself and when sampling
     divergence: Divergence | None  # where it first differs from plain greedy (when not identical)
+    branches: dict[str, int] | None = None  # hybrid: committed tokens by origin (see `Generation`)
+    round_costs: list[list[float]] | None = None  # hybrid: [tree nodes, target forward seconds] per round
 
 
 def rotated(methods: Sequence[str], index: int) -> list[str]:
@@ -88,6 +90,8 @@ def compare_turn(
                 block_sizes=generation.block_sizes,
                 identical=(divergence is None) if checked else None,
                 divergence=divergence,
+                branches=generation.branches,
+                round_costs=generation.round_costs,
             )
         )
     return samples

@@ -2,6 +2,8 @@
 
 Rates are totals, not means of per-prompt rates: tokens/s = all new tokens / all seconds, so long
 answers weigh as much as they cost. τ is the mean over all verification rounds of the set.
+Hybrid drafting also gets `branch_shares` (the committed tokens of its rounds by origin) and `round_costs`
+(tree nodes and target forward time per round, overall and per tree size); both are None for the others.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def summarize_method(samples: list[Sample], method: str, block_size: int, plain_
         "mean_block": None,
         "identical": all(checked) if checked else None,
         "divergences": checked.count(False),
+        "branch_shares": None,
+        "round_costs": None,
     }
     blocks = [k for sample in mine for k in (sample.block_sizes or [])]
     if blocks:
@@ -52,7 +56,34 @@ def summarize_method(samples: list[Sample], method: str, block_size: int, plain_
             "rounds": len(lengths),
             "histogram": histogram(lengths, max_round_length(method, block_size)),
         }
+    if method == "hybrid":
+        summary |= {"branch_shares": branch_shares(mine), "round_costs": round_costs(mine)}
     return summary
+
+
+def branch_shares(samples: list[Sample]) -> dict[str, float] | None:
+    """{"block", "ngram", "shared", "bonus"}: shares of the tokens committed by verification rounds that
+    were drafted by the DFlash block only, the n-gram branch only, both, or were the target's bonus token."""
+    totals = {key: sum(sample.branches[key] for sample in samples) for key in ("block", "ngram", "shared", "bonus")}
+    committed = sum(totals.values())
+    return {key: value / committed for key, value in totals.items()} if committed else None
+
+
+def round_costs(samples: list[Sample]) -> dict:
+    """Per round: mean tree nodes and target forward milliseconds, overall and per tree size."""
+    rounds = [cost for sample in samples for cost in sample.round_costs]
+    by_size: dict[int, list[float]] = {}
+    for size, seconds in rounds:
+        by_size.setdefault(int(size), []).append(seconds)
+    return {
+        "rounds": len(rounds),
+        "mean_tree_size": sum(size for size, _ in rounds) / len(rounds) if rounds else None,
+        "mean_target_ms": 1000 * sum(seconds for _, seconds in rounds) / len(rounds) if rounds else None,
+        "by_tree_size": {
+            str(size): {"rounds": len(times), "mean_target_ms": 1000 * sum(times) / len(times)}
+            for size, times in sorted(by_size.items())
+        },
+    }
 
 
 def summarize_samples(samples: list[Sample], methods: Sequence[str], block_size: int) -> dict:

@@ -5,6 +5,11 @@ A round = drafter pass(k) + target verification pass(k). It is timed with the re
 dtypes, torch version, torch threads), and cached as JSON under `<hf_dflash cache>/cost_models/`
 (written atomically; a corrupt file is measured again with a warning). Other k and row counts are
 interpolated.
+
+Hybrid drafting (a DFlash block plus n-gram drafts, verified as one tree) also needs the target
+verification pass alone over n tokens (a tree of n nodes, with its 4D mask), up to 2B: a round with
+block length k and m n-gram nodes costs round(k) + verify(k + m) - verify(k). These are timed the first
+time hybrid drafting runs with a pair, and stored in the same file.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,8 +34,9 @@ from ..modeling_dflash import DFlashDraftModel
 
 logger = logging.getLogger(__name__)
 
-COST_MODEL_FORMAT = 1
+COST_MODEL_FORMAT = 1  # verification_* fields are optional: files without them stay valid
 MEASURED_BLOCK_LENGTHS = (1, 2, 4, 8, 16)
+MEASURED_VERIFICATION_LENGTHS = (1, 2, 4, 8, 12, 16, 20, 24, 32)
 
 
 def interpolate(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -54,58 +60,123 @@ class CostModel:
 
     block_lengths: tuple[int, ...]
     seconds: dict[int, tuple[float, ...]]
+    verification_lengths: tuple[int, ...] = ()
+    verification_seconds: dict[int, tuple[float, ...]] = field(default_factory=dict)
 
     def __post_init__(self):
-        lengths = tuple(self.block_lengths)
-        if not lengths or lengths[0] != 1 or any(b <= a for a, b in zip(lengths, lengths[1:])):
-            raise ValueError(f"CostModel.block_lengths must increase from 1, got {self.block_lengths!r}.")
-        if not self.seconds:
-            raise ValueError("CostModel.seconds is empty; give {rows: seconds per block length}.")
-        for rows, values in self.seconds.items():
-            if not isinstance(rows, int) or rows < 1:
-                raise ValueError(f"CostModel.seconds keys are row counts >= 1, got {rows!r}.")
-            if len(values) != len(lengths) or not all(value > 0 for value in values):
-                raise ValueError(
-                    f"CostModel.seconds[{rows}] = {values!r} must hold {len(lengths)} positive seconds "
-                    f"(one per block length {lengths})."
-                )
+        lengths = check_table("seconds", self.block_lengths, self.seconds, "block length")
         object.__setattr__(self, "block_lengths", lengths)
         object.__setattr__(self, "seconds", {rows: tuple(map(float, v)) for rows, v in sorted(self.seconds.items())})
+        if self.verification_lengths or self.verification_seconds:
+            verified = check_table("verification_seconds", self.verification_lengths, self.verification_seconds, "token count")
+            object.__setattr__(self, "verification_lengths", verified)
+            table = {rows: tuple(map(float, v)) for rows, v in sorted(self.verification_seconds.items())}
+            object.__setattr__(self, "verification_seconds", table)
 
     @classmethod
-    def from_function(cls, seconds: Callable[[int], float], max_block_size: int) -> "CostModel":
-        """A batch-1 model from `seconds(k)` at k = 1..max_block_size (synthetic models in tests)."""
+    def from_function(
+        cls,
+        seconds: Callable[[int], float],
+        max_block_size: int,
+        verification: Callable[[int], float] | None = None,
+        max_verified_tokens: int | None = None,
+    ) -> "CostModel":
+        """A batch-1 model from `seconds(k)` at k = 1..max_block_size and, when given, `verification(n)` at
+        n = 1..max_verified_tokens (default 2 * max_block_size) (synthetic models in tests)."""
         lengths = tuple(range(1, max_block_size + 1))
-        return cls(lengths, {1: tuple(seconds(k) for k in lengths)})
+        if verification is None:
+            return cls(lengths, {1: tuple(seconds(k) for k in lengths)})
+        verified = tuple(range(1, (max_verified_tokens or 2 * max_block_size) + 1))
+        return cls(lengths, {1: tuple(seconds(k) for k in lengths)}, verified, {1: tuple(verification(n) for n in verified)})
+
+    @property
+    def has_verification(self) -> bool:
+        return bool(self.verification_seconds)
 
     def round_seconds(self, rows: int, max_block_size: int) -> torch.Tensor:
         """(max_block_size,) float64: seconds of a round with block length k = 1..max_block_size."""
-        measured = sorted(self.seconds)
-        scale = 1.0
-        if rows >= measured[-1]:
-            scale, per_length = rows / measured[-1], self.seconds[measured[-1]]
-        elif rows <= measured[0]:
-            per_length = self.seconds[measured[0]]
-        else:
-            per_length = [interpolate(rows, measured, [self.seconds[r][i] for r in measured])
-                          for i in range(len(self.block_lengths))]
-        values = [scale * interpolate(k, self.block_lengths, per_length) for k in range(1, max_block_size + 1)]
-        if min(values) <= 0:
-            raise ValueError(f"The cost model extrapolates to non-positive seconds {values} for {rows} rows.")
-        return torch.tensor(values, dtype=torch.float64)
+        return interpolated(self.block_lengths, self.seconds, rows, max_block_size)
+
+    def verification_seconds_per_length(self, rows: int, max_tokens: int) -> torch.Tensor:
+        """(max_tokens,) float64: seconds of one target verification pass over n = 1..max_tokens tokens.
+        Without measured verification times, the round times stand in for them (their growth with k is
+        then the growth of the verification pass plus the drafter's)."""
+        if not self.has_verification:
+            return interpolated(self.block_lengths, self.seconds, rows, max_tokens)
+        return interpolated(self.verification_lengths, self.verification_seconds, rows, max_tokens)
+
+    def tree_round_seconds(self, rows: int, max_block_size: int, max_ngram_tokens: int) -> torch.Tensor:
+        """(max_block_size, max_ngram_tokens + 1) float64: seconds of a round with block length k (row k - 1)
+        and m n-gram drafts beside the block (column m): round(k) + verify(k + m) - verify(k)."""
+        rounds = self.round_seconds(rows, max_block_size)
+        verify = self.verification_seconds_per_length(rows, max_block_size + max_ngram_tokens)
+        nodes = torch.arange(1, max_block_size + 1)[:, None] + torch.arange(max_ngram_tokens + 1)[None]
+        return rounds[:, None] + verify[nodes - 1] - verify[nodes[:, :1] - 1]
 
     def to_dict(self) -> dict:
-        return {"block_lengths": list(self.block_lengths), "seconds": {str(r): list(v) for r, v in self.seconds.items()}}
+        data = {"block_lengths": list(self.block_lengths), "seconds": {str(r): list(v) for r, v in self.seconds.items()}}
+        if self.has_verification:
+            data["verification_lengths"] = list(self.verification_lengths)
+            data["verification_seconds"] = {str(r): list(v) for r, v in self.verification_seconds.items()}
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "CostModel":
         """Inverse of `to_dict`; ValueError (or KeyError/TypeError) on a malformed dict."""
-        return cls(tuple(data["block_lengths"]), {int(r): tuple(v) for r, v in data["seconds"].items()})
+        return cls(
+            tuple(data["block_lengths"]),
+            {int(r): tuple(v) for r, v in data["seconds"].items()},
+            tuple(data.get("verification_lengths", ())),
+            {int(r): tuple(v) for r, v in data.get("verification_seconds", {}).items()},
+        )
+
+
+def check_table(name: str, lengths: Sequence[int], seconds: dict, unit: str) -> tuple[int, ...]:
+    """ValueError unless `lengths` increase from 1 and `seconds` maps row counts >= 1 to one positive
+    number per length; returns the lengths as a tuple."""
+    lengths = tuple(lengths)
+    label = "block_lengths" if name == "seconds" else "verification_lengths"
+    if not lengths or lengths[0] != 1 or any(b <= a for a, b in zip(lengths, lengths[1:])):
+        raise ValueError(f"CostModel.{label} must increase from 1, got {lengths!r}.")
+    if not seconds:
+        raise ValueError(f"CostModel.{name} is empty; give {{rows: seconds per {unit}}}.")
+    for rows, values in seconds.items():
+        if not isinstance(rows, int) or rows < 1:
+            raise ValueError(f"CostModel.{name} keys are row counts >= 1, got {rows!r}.")
+        if len(values) != len(lengths) or not all(value > 0 for value in values):
+            raise ValueError(
+                f"CostModel.{name}[{rows}] = {values!r} must hold {len(lengths)} positive seconds "
+                f"(one per {unit} {lengths})."
+            )
+    return lengths
+
+
+def interpolated(lengths: tuple[int, ...], table: dict[int, tuple[float, ...]], rows: int, size: int) -> torch.Tensor:
+    """(size,) float64: table's seconds at 1..size for `rows` rows, interpolated in length (extended
+    linearly past the last) and in rows (proportionally above the largest, as the smallest below it)."""
+    measured = sorted(table)
+    scale = 1.0
+    if rows >= measured[-1]:
+        scale, per_length = rows / measured[-1], table[measured[-1]]
+    elif rows <= measured[0]:
+        per_length = table[measured[0]]
+    else:
+        per_length = [interpolate(rows, measured, [table[r][i] for r in measured]) for i in range(len(lengths))]
+    values = [scale * interpolate(k, lengths, per_length) for k in range(1, size + 1)]
+    if min(values) <= 0:
+        raise ValueError(f"The cost model extrapolates to non-positive seconds {values} for {rows} rows.")
+    return torch.tensor(values, dtype=torch.float64)
 
 
 def measured_block_lengths(block_size: int) -> tuple[int, ...]:
     """The k timed for a drafter of block size B: 1, 2, 4, 8, 16 up to B, and B."""
     return tuple(sorted({k for k in MEASURED_BLOCK_LENGTHS if k <= block_size} | {block_size}))
+
+
+def measured_verification_lengths(block_size: int) -> tuple[int, ...]:
+    """The token counts n of the verification pass timed for hybrid drafting: 1, 2, 4, 8, 12, ..., 32 up to
+    2B, B and 2B (a tree holds the block and at most about as many n-gram drafts)."""
+    return tuple(sorted({n for n in MEASURED_VERIFICATION_LENGTHS if n <= 2 * block_size} | {block_size, 2 * block_size}))
 
 
 def _synchronize(device: torch.device) -> None:
@@ -173,6 +244,58 @@ def measure_round_seconds(
     return tuple(medians.cummax(0).values.tolist())
 
 
+@torch.no_grad()
+def measure_verification_seconds(
+    target: PreTrainedModel,
+    drafter: DFlashDraftModel,
+    rows: int,
+    lengths: Sequence[int],
+    context_length: int = 32,
+    repeats: int = 3,
+) -> tuple[float, ...]:
+    """Median seconds of one target verification pass over n tokens, per n in `lengths`, as a draft tree
+    is verified: after a `context_length`-token prompt, with an explicit 4D tree mask, depth positions and
+    the hidden states the drafter needs; the cache is cropped back after each pass. Timed in turn
+    `repeats` times after one warm-up pass; evened out to never decrease with n (running maximum)."""
+    from .tree import tree_attention_bias
+
+    device = target.device
+    hidden_request = [i + 1 for i in drafter.config.target_layer_ids]
+    vocab = target.get_input_embeddings().num_embeddings
+    context_length = max(context_length, max(lengths))
+    token_ids = (torch.arange(rows * 2 * context_length, device=device) * 7919 % vocab).view(rows, -1)
+    cache_name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+    cache = DynamicCache(config=target.config)
+    target(input_ids=token_ids[:, :context_length], use_cache=True, **{cache_name: cache})
+    # the cost does not depend on the tree's shape: time a chain-shaped one
+    inputs = {
+        n: dict(
+            input_ids=token_ids[:, context_length : context_length + n],
+            attention_mask=tree_attention_bias(tuple(range(-1, n - 1)), context_length, target.dtype, device).expand(
+                rows, -1, -1, -1
+            ),
+            position_ids=torch.arange(context_length, context_length + n, device=device).expand(rows, -1),
+        )
+        for n in lengths
+    }
+
+    def one_pass(n: int) -> None:
+        target(**inputs[n], use_cache=True, output_hidden_states=hidden_request, **{cache_name: cache})
+        cache.crop(-n)
+
+    one_pass(max(lengths))
+    times: dict[int, list[float]] = {n: [] for n in lengths}
+    for _ in range(repeats):
+        for n in lengths:
+            _synchronize(device)
+            start = time.perf_counter()
+            one_pass(n)
+            _synchronize(device)
+            times[n].append(time.perf_counter() - start)
+    medians = torch.tensor([statistics.median(times[n]) for n in lengths])
+    return tuple(medians.cummax(0).values.tolist())
+
+
 def config_digest(config) -> str:
     """A hash of a model config's content (its name/path and the Transformers version excluded)."""
     content = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
@@ -210,7 +333,8 @@ def cost_model_path(key: dict, cache_dir: str | Path | None = None) -> Path:
 
 def read_cost_model(path: Path, key: dict, block_lengths: Sequence[int]) -> CostModel | None:
     """The cached model at `path`, or None when absent. A corrupt file, or one for another key or
-    other block lengths, is ignored with a warning (it is measured again and overwritten)."""
+    other block lengths, is ignored with a warning (it is measured again and overwritten). Verification
+    times for other token counts are dropped (measured again when needed)."""
     if not path.is_file():
         return None
     try:
@@ -223,6 +347,9 @@ def read_cost_model(path: Path, key: dict, block_lengths: Sequence[int]) -> Cost
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as error:
         warnings.warn(f"Ignoring the DFlash cost model cache {path} ({error}); measuring again.", stacklevel=3)
         return None
+    verified = measured_verification_lengths(max(block_lengths))
+    if model.has_verification and model.verification_lengths != verified:
+        model = CostModel(model.block_lengths, model.seconds)
     return model
 
 
@@ -232,25 +359,34 @@ def measured_cost_model(
     rows: Sequence[int] = (1,),
     cache_dir: str | Path | None = None,
     measure: Callable[..., Sequence[float]] = measure_round_seconds,
+    verification: bool = False,
+    measure_verification: Callable[..., Sequence[float]] = measure_verification_seconds,
 ) -> CostModel:
     """The cached cost model of this (target, drafter, machine), measuring the `rows` not cached yet.
 
-    `measure(target, drafter, rows, block_lengths)` returns seconds per block length (injectable).
-    The file is rewritten atomically, so concurrent runs never read half a file; a cache folder that
-    cannot be written only warns.
+    `measure(target, drafter, rows, block_lengths)` returns seconds per block length (injectable); with
+    `verification` (hybrid drafting), `measure_verification(target, drafter, rows, lengths)` the seconds
+    of the verification pass alone per token count. The file is rewritten atomically, so concurrent runs
+    never read half a file; a cache folder that cannot be written only warns.
     """
     key = cost_model_key(target, drafter)
     path = cost_model_path(key, cache_dir)
     lengths = measured_block_lengths(drafter.config.block_size)
+    verified = measured_verification_lengths(drafter.config.block_size)
     cached = read_cost_model(path, key, lengths)
     seconds = dict(cached.seconds) if cached is not None else {}
+    verification_seconds = dict(cached.verification_seconds) if cached is not None else {}
     missing = sorted(set(rows) - set(seconds))
-    if not missing:
+    missing_verification = sorted(set(rows) - set(verification_seconds)) if verification else []
+    if not missing and not missing_verification:
         return cached
     for count in missing:
         logger.info("Timing DFlash rounds of %d row(s) at block lengths %s (cached in %s).", count, lengths, path)
         seconds[count] = tuple(measure(target, drafter, count, lengths))
-    model = CostModel(lengths, seconds)
+    for count in missing_verification:
+        logger.info("Timing verification passes of %d row(s) over %s tokens (cached in %s).", count, verified, path)
+        verification_seconds[count] = tuple(measure_verification(target, drafter, count, verified))
+    model = CostModel(lengths, seconds, verified if verification_seconds else (), verification_seconds)
     try:
         write_json_atomic(path, {"format": COST_MODEL_FORMAT, "key": key, **model.to_dict()})
     except OSError as error:  # a read-only cache costs a measurement per call, not the generation

@@ -9,7 +9,8 @@ and dispatches to `GenerationMixin._assisted_decoding`. On import of `hf_dflash`
     a DFlash drafter built by other code (z-lab's class, a plain Qwen3Model from an official folder)
     is refused with the way to load ours, never run as a plain autoregressive assistant;
   - decoding: a `DFlashDraftModel` assistant runs our loop, unless the caller explicitly asked for
-    Transformers' own loop with `speculation_type="dflash"`.
+    Transformers' own loop with `speculation_type="dflash"`; with `prompt_lookup_num_tokens` beside it,
+    our loop drafts with both (hybrid drafting, `decoding.py`).
 Every other call (normal assistant models, prompt lookup, MTP, early exit, ...) reaches the
 original methods unchanged, with the same arguments. Checked against Transformers 5.23.0 and 5.24.0.
 """
@@ -44,16 +45,16 @@ _MODE_OPTIONS = {
 def check_dflash_generation_options(generation_mode, generation_config) -> None:
     """Refuse `generate` options that a DFlash assistant cannot serve, instead of dropping them silently.
 
-    - `prompt_lookup_num_tokens`: stock Transformers would give prompt lookup precedence over the
-      assistant, our loop would ignore it. Refused until the hybrid DFlash + n-gram mode lands (it
-      replaces this check).
+    - `prompt_lookup_num_tokens` with `speculation_type="dflash"`: Transformers' own loop would then run
+      prompt lookup and never call the drafter (our loop, the default, drafts with both: hybrid drafting).
     - a decoding mode other than greedy / sampling (beam search, contrastive search, DoLa, ...):
       Transformers only warns and decodes without the drafter.
     """
-    if generation_config.prompt_lookup_num_tokens is not None:
+    if generation_config.prompt_lookup_num_tokens is not None and generation_config.speculation_type == "dflash":
         raise ValueError(
-            f"prompt_lookup_num_tokens={generation_config.prompt_lookup_num_tokens} cannot be combined with a "
-            "DFlash assistant_model (the n-gram candidates would be dropped silently); use one of them."
+            f"prompt_lookup_num_tokens={generation_config.prompt_lookup_num_tokens} with speculation_type='dflash': "
+            "Transformers' built-in loop would run prompt lookup and never use the DFlash drafter. Drop "
+            "speculation_type to let hf_dflash verify the DFlash block and the n-gram drafts together (hybrid)."
         )
     if generation_mode not in (GenerationMode.ASSISTED_GENERATION, GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         options = _MODE_OPTIONS.get(generation_mode, str(generation_mode)).format(num_beams=generation_config.num_beams)

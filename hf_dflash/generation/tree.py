@@ -1,0 +1,164 @@
+"""Pure functions of a draft tree: merging branches, depths, the attention mask, the longest accepted
+path, per-node logits processing, and keeping the accepted path in the target cache.
+
+A draft tree of N nodes: node 0 is the root (the bonus token: committed, not yet read by the target),
+every other node a drafted token. parents (N,): parents[0] = -1 and parents[i] < i, so the nodes can be
+verified in this order and every root-to-node path is increasing. A chain (parents[i] = i - 1) is the
+tree of one branch: verifying it is ordinary block verification.
+
+Verification reads all N nodes in ONE target forward: node i sits at position past + depth(i) and
+attends to the whole committed context and to its own ancestors (itself included), so its logits and
+hidden states equal those of a causal forward over context + the path to i.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import LogitsProcessorList
+from transformers.cache_utils import Cache
+
+from .verification import is_position_independent
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """tokens (N,): node 0 = root; parents (N,) as in the module docstring; branches: for each branch
+    that was merged, the node of each of its drafts in order (branch b's j-th draft is node branches[b][j])."""
+
+    tokens: torch.LongTensor
+    parents: tuple[int, ...]
+    branches: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self):
+        if len(self.parents) != len(self.tokens) or self.parents[:1] != (-1,):
+            raise ValueError(f"DraftTree: parents {self.parents} must start with -1 and give one parent per token.")
+        if any(not 0 <= parent < node for node, parent in enumerate(self.parents) if node):
+            raise ValueError(f"DraftTree: parents {self.parents} must satisfy 0 <= parents[i] < i for i >= 1.")
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.parents)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(parent == node - 1 for node, parent in enumerate(self.parents))
+
+
+def merge_branches(root: int, branches: Sequence[torch.LongTensor]) -> DraftTree:
+    """The trie of `branches` (each (n_b,) drafted tokens following `root`): a shared prefix becomes shared
+    nodes. Nodes are numbered in order of first appearance, so branch 0 occupies nodes 1..n_0 (an
+    accepted path inside it is a prefix of the layout: the cache is then cropped, not gathered)."""
+    device = branches[0].device if branches else torch.device("cpu")
+    values, parents, children = [int(root)], [-1], [{}]
+    layout = []
+    for branch in branches:
+        node, nodes = 0, []
+        for token in branch.tolist():
+            child = children[node].get(token)
+            if child is None:
+                child = len(values)
+                values.append(token)
+                parents.append(node)
+                children.append({})
+                children[node][token] = child
+            nodes.append(child)
+            node = child
+        layout.append(tuple(nodes))
+    return DraftTree(torch.tensor(values, dtype=torch.long, device=device), tuple(parents), tuple(layout))
+
+
+def tree_depths(parents: Sequence[int]) -> torch.LongTensor:
+    """(N,) depth of each node (root 0): its position is past_length + depth."""
+    depths = [0] * len(parents)
+    for node in range(1, len(parents)):
+        depths[node] = depths[parents[node]] + 1
+    return torch.tensor(depths, dtype=torch.long)
+
+
+def ancestor_mask(parents: Sequence[int]) -> torch.BoolTensor:
+    """(N, N) bool: [i, j] = node j is node i or one of its ancestors (lower-triangular; causal for a chain)."""
+    size = len(parents)
+    mask = torch.eye(size, dtype=torch.bool)
+    for node in range(1, size):
+        mask[node] |= mask[parents[node]]
+    return mask
+
+
+def tree_attention_bias(
+    parents: Sequence[int], past_length: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """(1, 1, N, past_length + N) additive attention mask for the tree forward: 0 where a node may look (the
+    committed context and its ancestors), the dtype's minimum elsewhere. Transformers passes a 4D mask to
+    the attention as is; eager and SDPA both add a float mask to the scores."""
+    visible = torch.cat([torch.ones(len(parents), past_length, dtype=torch.bool), ancestor_mask(parents)], 1)
+    bias = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+    return bias.to(device)[None, None]
+
+
+def greedy_tree_path(tree: DraftTree, target_tokens: torch.LongTensor) -> list[int]:
+    """The longest accepted path, root first: from the root, step to the child whose token is the target's
+    greedy token after the current node, while there is one. target_tokens (N,): the target's choice after
+    each node. The committed tokens are tokens[path[1:]] followed by target_tokens[path[-1]]."""
+    children: list[dict[int, int]] = [{} for _ in range(tree.num_nodes)]
+    values = tree.tokens.tolist()
+    for node in range(1, tree.num_nodes):
+        children[tree.parents[node]][values[node]] = node
+    choices = target_tokens.tolist()
+    path = [0]
+    while (child := children[path[-1]].get(choices[path[-1]])) is not None:
+        path.append(child)
+    return path
+
+
+def node_prefix(sequence: torch.LongTensor, tree: DraftTree, node: int) -> torch.LongTensor:
+    """(1, L + depth): the committed tokens (ending with the root) followed by the drafts on the path to `node`."""
+    path = []
+    while node > 0:
+        path.append(node)
+        node = tree.parents[node]
+    return torch.cat([sequence, tree.tokens[path[::-1]][None].to(sequence.device)], 1)
+
+
+def process_tree_logits(
+    logits_processor: LogitsProcessorList | None, sequence: torch.LongTensor, tree: DraftTree, logits: torch.Tensor
+) -> torch.Tensor:
+    """Apply `logits_processor` to each node's logits with that node's own prefix, as plain decoding would.
+
+    sequence (1, L) is committed and ends with the root; logits (1, N, V) are the scores after each node.
+    Returns float32 (1, N, V); position-independent processors run once over all nodes.
+    """
+    logits = logits.float()
+    if not logits_processor:
+        return logits
+    batch, length, vocab = logits.shape
+    if is_position_independent(logits_processor):
+        flat = logits_processor(sequence.repeat_interleave(length, 0), logits.reshape(batch * length, vocab))
+        return flat.view(batch, length, vocab)
+    return torch.stack(
+        [logits_processor(node_prefix(sequence, tree, node), logits[:, node]) for node in range(length)], dim=1
+    )
+
+
+def keep_tree_path(cache: Cache, num_nodes: int, keep: Sequence[int]) -> None:
+    """Keep, of the `num_nodes` tree entries that end every layer of `cache`, only the nodes `keep`
+    (increasing, root first), in that order; the context before the tree is untouched.
+
+    A path that is a prefix of the layout (0, 1, ..., n) is a crop. Otherwise the kept entries are copied
+    into the first len(keep) tree slots in place (O(path), not O(cache)) and the rest cropped, so the
+    cache's own `crop` keeps its bookkeeping (a sliding-window layer's length) right.
+    """
+    keep = list(keep)
+    if not keep or any(b <= a for a, b in zip(keep, keep[1:])) or keep[0] != 0 or keep[-1] >= num_nodes:
+        raise ValueError(f"keep_tree_path: keep={keep} must be increasing node ids from 0 below {num_nodes}.")
+    if keep != list(range(len(keep))):
+        for layer in cache.layers:
+            if not layer.is_initialized:
+                continue
+            start = layer.keys.shape[-2] - num_nodes
+            index = torch.tensor(keep, device=layer.keys.device) + start
+            layer.keys[..., start : start + len(keep), :] = layer.keys[..., index, :]
+            layer.values[..., start : start + len(keep), :] = layer.values[..., index, :]
+    cache.crop(-(num_nodes - len(keep)))

@@ -1,0 +1,164 @@
+"""The budget of hybrid drafting: the cost of a tree round, the (k, m) argmax, the per-branch estimates,
+and the verification times in the cost-model cache."""
+
+import json
+
+import pytest
+import torch
+
+from hf_dflash.generation.adaptive import AdaptiveBlockSize, FixedBlockSize, TreeBudget, best_tree_size
+from hf_dflash.generation.cost_model import (
+    CostModel,
+    cost_model_key,
+    cost_model_path,
+    measure_verification_seconds,
+    measured_cost_model,
+    measured_verification_lengths,
+)
+from tests.conftest import make_drafter, make_target
+from tests.test_adaptive import FakeMeasure
+
+
+def tensor(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def test_tree_round_seconds_add_the_extra_verified_tokens_to_the_round():
+    model = CostModel((1, 2, 3), {1: (1.0, 2.0, 2.5)}, (1, 2, 4), {1: (1.0, 1.5, 3.5)})
+    # verify(n) = 1, 1.5, 2.5, 3.5, 4.5 for n = 1..5 (linear past 4); round(k) = 1, 2, 2.5
+    expected = tensor([[1.0, 1.5, 2.5], [2.0, 3.0, 4.0], [2.5, 3.5, 4.5]])  # round(k) + verify(k+m) - verify(k)
+    torch.testing.assert_close(model.tree_round_seconds(1, 3, 2), expected)
+    torch.testing.assert_close(model.verification_seconds_per_length(2, 2), tensor([2.0, 3.0]))  # 2 rows: proportional
+    without = CostModel((1, 2, 3), {1: (1.0, 2.0, 2.5)})  # no verification times: the round times stand in
+    torch.testing.assert_close(without.tree_round_seconds(1, 2, 1), tensor([[1.0, 2.0], [2.0, 2.5]]))
+    assert measured_verification_lengths(16) == (1, 2, 4, 8, 12, 16, 20, 24, 32)
+    assert measured_verification_lengths(5) == (1, 2, 4, 5, 8, 10)
+
+
+@pytest.mark.parametrize(
+    "lengths, seconds, match",
+    [((2,), {1: (1.0,)}, "verification_lengths must increase from 1"), ((1, 2), {1: (1.0,)}, "2 positive seconds"),
+     ((1,), {}, "verification_seconds is empty")],
+)
+def test_cost_model_rejects_malformed_verification_tables(lengths, seconds, match):
+    with pytest.raises(ValueError, match=match):
+        CostModel((1,), {1: (1.0,)}, lengths, seconds)
+
+
+def test_best_tree_size_by_hand():
+    expected_block = tensor([1.0, 1.5, 1.75])  # E_block(k), k = 1..3
+    gain = tensor([0.0, 0.9, 1.5])  # G(m), m = 0..2
+    seconds = torch.ones(3, 3)
+    assert best_tree_size(expected_block, gain, seconds, one_branch=False) == (3, 2)  # 3.25 tokens
+    assert best_tree_size(expected_block, gain, seconds, one_branch=True) == (1, 2)  # 2.5 beats 1.75
+    seconds = tensor([[1.0, 1.0, 2.0], [1.2, 1.4, 2.4], [1.4, 2.0, 3.0]])
+    assert best_tree_size(expected_block, gain, seconds, one_branch=False) == (1, 1)  # 1.9 tokens/s
+    flat = torch.ones(3, 1)
+    assert best_tree_size(tensor([1.0, 1.0, 1.0]), tensor([0.0]), flat, one_branch=False) == (1, 0)  # ties: smallest
+
+
+def test_tree_budget_learns_each_branch_and_skips_what_is_never_accepted():
+    cost = CostModel.from_function(lambda k: 1.0 + 0.5 * (k > 1), 4, lambda n: 1.0 + 0.2 * (n - 1), 8)
+    budget = TreeBudget(4, 3, one_branch=False, settings=AdaptiveBlockSize(), cost_model=cost)
+    assert budget.choose(3) == (4, 3)  # optimistic prior: everything
+    assert budget.choose(3, block_allowed=False) == (1, 3)  # the prefill: no block
+    for _ in range(10):  # beside the n-gram drafts the block is always rejected; they are always accepted
+        budget.choose(3)
+        budget.observe(block_compared=1, block_agreed=0, ngram_compared=3, ngram_agreed=3)
+    assert budget.choose(3) == (1, 3)
+    assert budget.choose(1) == (1, 1)  # only one n-gram draft found this round
+    assert budget.choose(0) == (4, 0)  # without n-gram drafts, the block still has its (untouched) prior
+    for _ in range(20):  # now the n-gram branch is always wrong too (rounds without a match leave it alone)
+        budget.choose(3)
+        budget.observe(1, 0, 1, 0)
+        budget.choose(0)
+        budget.observe(1, 0, 0, 0)
+    assert budget.choose(3) == (1, 0) and budget.choose(0) == (1, 0)
+
+
+def test_estimates_are_kept_per_match_length():
+    """A 4-token match that always copies right and a 1-token match that never does: the budget offers the
+    n-gram drafts of the first, and the block where there is only the second."""
+    cost = CostModel.from_function(lambda k: 1.0 + 0.5 * (k > 1), 4, lambda n: 1.0 + 0.2 * (n - 1), 8)
+    budget = TreeBudget(4, 3, one_branch=False, settings=AdaptiveBlockSize(), cost_model=cost)
+    for _ in range(10):
+        budget.choose(3, match_length=5)
+        budget.observe(block_compared=1, block_agreed=0, ngram_compared=3, ngram_agreed=3)
+        budget.choose(3, match_length=1)
+        budget.observe(block_compared=3, block_agreed=3, ngram_compared=1, ngram_agreed=0)
+    assert budget.choose(3, match_length=4) == (1, 3)
+    assert budget.choose(3, match_length=1) == (4, 0)
+
+
+def test_block_beside_ngram_counts_only_what_beats_the_ngram_branch():
+    budget = TreeBudget(4, 3, one_branch=False, settings=AdaptiveBlockSize(decay=1.0), block=FixedBlockSize(4))
+    budget.choose(3)
+    budget.observe(block_compared=3, block_agreed=2, ngram_compared=3, ngram_agreed=3)  # n-gram got further
+    budget.choose(3)
+    budget.observe(block_compared=3, block_agreed=3, ngram_compared=3, ngram_agreed=1)  # the block won
+    assert budget.block_beside_ngram[0].successes.tolist() == [[1.0, 1.0, 1.0]]  # bucket 0: 1-token matches
+    assert budget.block_beside_ngram[0].trials.tolist() == [[2.0, 1.0, 1.0]]
+    assert budget.block_estimate.trials.sum() == 0  # rounds with n-gram drafts leave the plain estimate alone
+    one = TreeBudget(4, 3, one_branch=True, settings=AdaptiveBlockSize(decay=1.0), block=FixedBlockSize(4))
+    one.choose(3)
+    one.observe(3, 2, 3, 3)  # one branch verified: the block counts for all it got accepted
+    assert one.block_estimate.successes.tolist() == [[1.0, 1.0, 0.0]]
+
+
+def test_tree_budget_with_a_fixed_block_size():
+    budget = TreeBudget(4, 3, one_branch=False, settings=AdaptiveBlockSize(), block=FixedBlockSize(3))
+    assert budget.choose(2) == (3, 2) and budget.choose(0) == (3, 0)  # a full tree
+    one = TreeBudget(4, 3, one_branch=True, settings=AdaptiveBlockSize(), block=FixedBlockSize(3))
+    assert one.choose(3) == (1, 3)  # prior: 4 expected tokens from 3 n-gram drafts beat 3 from the block
+    for _ in range(10):
+        one.observe(0, 0, 3, 0)
+    assert one.choose(3) == (3, 0)
+    with pytest.raises(ValueError, match="exactly one"):
+        TreeBudget(4, 3, False, AdaptiveBlockSize())
+
+
+class FakeVerification:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, target, drafter, rows, lengths):
+        self.calls.append(rows)
+        return [rows * (1.0 + 0.01 * n) for n in lengths]
+
+
+def test_verification_times_are_cached_beside_the_round_times(tmp_path):
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=4)
+    measure, verification = FakeMeasure(), FakeVerification()
+    plain = measured_cost_model(target, drafter, (1,), tmp_path, measure)
+    assert not plain.has_verification
+    model = measured_cost_model(target, drafter, (1,), tmp_path, measure, True, verification)
+    assert measure.calls == [1] and verification.calls == [1]  # the round times were cached already
+    assert model.verification_lengths == (1, 2, 4, 8) and model.seconds == plain.seconds
+    data = json.loads(cost_model_path(cost_model_key(target, drafter), tmp_path).read_text())
+    assert data["verification_lengths"] == [1, 2, 4, 8]
+    again = measured_cost_model(target, drafter, (1,), tmp_path, measure, True, verification)
+    assert again == model and verification.calls == [1]
+    assert measured_cost_model(target, drafter, (1,), tmp_path, measure) == model  # a plain call reads it too
+
+
+def test_real_verification_measurement_is_positive_and_leaves_rng_alone():
+    target = make_target("qwen2")
+    drafter = make_drafter(target, block_size=4)
+    state = torch.get_rng_state()
+    seconds = measure_verification_seconds(target, drafter, rows=1, lengths=(1, 3, 8), repeats=1)
+    assert len(seconds) == 3 and all(s > 0 for s in seconds) and list(seconds) == sorted(seconds)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_copy_estimates_keep_unreached_slots_at_the_prior():
+    """The n-gram branch's slots shrink toward the prior each on its own (a copy right for its first drafts
+    tends to stay right); a model's slots shrink toward the slot before them."""
+    from hf_dflash.generation.adaptive import BranchEstimate
+
+    settings = AdaptiveBlockSize(decay=1.0)
+    copy, model = BranchEstimate(3, settings, chained=False), BranchEstimate(3, settings)
+    for estimate in (copy, model):
+        estimate.observe(compared=1, agreed=0)  # the first draft was rejected once
+    torch.testing.assert_close(copy.expected_tokens(), tensor([1.0, 1.5, 2.0, 2.5]))
+    torch.testing.assert_close(model.expected_tokens(), tensor([1.0, 1.5, 1.75, 1.875]))
