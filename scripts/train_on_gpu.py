@@ -220,6 +220,7 @@ def train_variant(args: argparse.Namespace) -> None:
         "train_seconds": time.time() - started,
         "train_samples": len(trainer.train_dataset),
         "eval": [entry for entry in history if "eval_tau" in entry],
+        "eval_served": [entry for entry in history if "eval_served_tau" in entry],
         "train": [entry for entry in history if "tau" in entry],
     }
     (root / name / "gpu_training_log.json").write_text(json.dumps(summary, indent=2))
@@ -228,7 +229,10 @@ def train_variant(args: argparse.Namespace) -> None:
     for extra in ("README.md", "training_record.json", "gpu_training_log.json"):
         if (root / name / extra).is_file():
             shutil.copyfile(root / name / extra, root / f"{name}-bf16" / extra)
-    log(f"{name}: done, eval tau {[entry['eval_tau'] for entry in summary['eval']]}")
+    log(
+        f"{name}: done, eval tau {[entry['eval_tau'] for entry in summary['eval']]}, served-walk tau "
+        f"{[entry['eval_served_tau'] for entry in summary['eval_served']]}"
+    )
 
 
 def forwarded(args: argparse.Namespace) -> list[str]:
