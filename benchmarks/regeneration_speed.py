@@ -1,11 +1,14 @@
-"""Regeneration throughput: static left-padded `generate` batches vs continuous batching.
+"""Regeneration throughput: static left-padded `generate` batches vs continuous batching, by batch size.
 
-Both paths produce the target's greedy replies to the same prompts (first user turn, chat template,
+Every path produces the target's greedy replies to the same prompts (first user turn, chat template,
 prompts <= --max-prompt-tokens); the table gives reply tokens per second, timed one after the other
 on the same prompts. The prompts mix the training sources in equal shares (seeded).
 
-    python benchmarks/regeneration_speed.py --num-prompts 64 --batch-size 32 --max-new-tokens 384 \
+    python benchmarks/regeneration_speed.py --num-prompts 64 --batch-sizes 32 --max-new-tokens 384 \
         --dtype bfloat16 --out out/regeneration_speed.json
+    # batch size by measurement, continuous batching only, one torch thread (as a background job runs):
+    python benchmarks/regeneration_speed.py --methods continuous --batch-sizes 32,96 --num-prompts 192 \
+        --threads 1 --max-new-tokens 256
 """
 
 import argparse
@@ -37,6 +40,9 @@ def prompt_ids(tokenizer, count: int, max_prompt_tokens: int, seed: int) -> list
     return sorted(ids, key=len, reverse=True)  # the pipeline's order: longest first
 
 
+METHODS = {"static": "static generate batches", "continuous": "continuous batching"}
+
+
 def static_batches(model, prompts, batch_size, **kwargs):
     return [reply for s in range(0, len(prompts), batch_size) for reply in generate_replies(model, prompts[s : s + batch_size], temperature=0.0, **kwargs)]
 
@@ -44,35 +50,49 @@ def static_batches(model, prompts, batch_size, **kwargs):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-sizes", default="32", help="comma-separated rows per batch (default: %(default)s)")
+    parser.add_argument("--methods", default="static,continuous", help="comma-separated, from: static,continuous")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--max-new-tokens", type=int, default=384)
     parser.add_argument("--max-prompt-tokens", type=int, default=512)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="out/regeneration_speed.json")
     args = parser.parse_args()
+    batch_sizes = [int(size) for size in args.batch_sizes.split(",")]
+    methods = args.methods.split(",")
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown or any(size < 1 for size in batch_sizes):
+        parser.error(f"--methods must come from {','.join(METHODS)} and --batch-sizes be positive, got {args.methods!r}, {args.batch_sizes!r}")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     model, tokenizer = load_target(dtype=args.dtype)
     prompts = prompt_ids(tokenizer, args.num_prompts, args.max_prompt_tokens, args.seed)
     common = dict(eos_ids=stop_ids(model, tokenizer), pad_id=tokenizer.pad_token_id, max_new_tokens=args.max_new_tokens)
+    runs = {
+        "static": lambda size: static_batches(model, prompts, size, **common),
+        "continuous": lambda size: continuous_greedy_replies(model, prompts, batch_size=size, **common),
+    }
     rows = []
-    for name, run in (
-        ("static generate batches", lambda: static_batches(model, prompts, args.batch_size, **common)),
-        ("continuous batching", lambda: continuous_greedy_replies(model, prompts, batch_size=args.batch_size, **common)),
-    ):
-        start = time.perf_counter()
-        replies = run()
-        seconds = time.perf_counter() - start
-        tokens = sum(map(len, replies))
-        rows.append({"method": name, "reply_tokens": tokens, "seconds": round(seconds, 1), "tokens_per_s": round(tokens / seconds, 1)})
-        print(f"{name:>24}: {tokens} reply tokens in {seconds:.1f} s = {tokens / seconds:.1f} tok/s", flush=True)
-    speedup = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
-    print(f"continuous / static: {speedup:.2f}x")
+    for method in methods:
+        for size in batch_sizes:
+            start = time.perf_counter()
+            replies = runs[method](size)
+            seconds = time.perf_counter() - start
+            tokens = sum(map(len, replies))
+            rows.append({"method": METHODS[method], "batch_size": size, "reply_tokens": tokens, "seconds": round(seconds, 1), "tokens_per_s": round(tokens / seconds, 1)})
+            print(f"{METHODS[method]:>24} batch {size:>3}: {tokens} reply tokens in {seconds:.1f} s = {tokens / seconds:.1f} tok/s", flush=True)
+    slowest = min(row["tokens_per_s"] for row in rows)
+    for row in rows:
+        row["speedup_over_slowest"] = round(row["tokens_per_s"] / slowest, 2)
+    print("\n| method | batch | tok/s | vs slowest |\n|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['method']} | {row['batch_size']} | {row['tokens_per_s']} | {row['speedup_over_slowest']:.2f}x |")
     result = {
         "settings": vars(args),
         "machine": {"processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
         "results": rows,
-        "speedup": round(speedup, 2),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

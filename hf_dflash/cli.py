@@ -217,6 +217,7 @@ def _run_prepare_data(args: argparse.Namespace) -> int:
 
 
 def register_prepare_data(subparsers) -> None:
+    from .data.regenerate import DEFAULT_REGENERATION_BATCH, DEFAULT_REGENERATION_SHARD
     from .data.sources import TRAIN_SOURCES
 
     parser = subparsers.add_parser(
@@ -241,8 +242,15 @@ def register_prepare_data(subparsers) -> None:
     _add_dtype_argument(parser, "target dtype for regeneration")
     parser.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy (default), > 0 samples")
     parser.add_argument("--max-new-tokens", type=int, default=512, help="reply length limit (default: %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (default: %(default)s)")
-    parser.add_argument("--shard-size", type=int, default=128, help="prompts per response shard (default: %(default)s)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=DEFAULT_REGENERATION_BATCH,
+        help="rows decoded at once (continuous batching for greedy; default: %(default)s, the fastest measured on a 2-core CPU)",
+    )
+    parser.add_argument(
+        "--shard-size", type=int, default=DEFAULT_REGENERATION_SHARD, help="prompts per response shard (default: %(default)s)"
+    )
     parser.add_argument("--max-length", type=int, default=3072, help="sample length limit (default: %(default)s)")
     parser.add_argument(
         "--block-size", type=int, default=16, help="drafter block size: samples need 2x this many supervised tokens"

@@ -59,3 +59,44 @@ def test_merge_caches_left_pads_the_shorter_and_keeps_every_row():
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="batch_size"):
         continuous_greedy_replies(make_target(), PROMPTS, eos_ids=[2], pad_id=0, max_new_tokens=4, batch_size=0)
+
+
+def test_reserved_layer_behaves_like_a_dynamic_layer_without_a_copy_per_step():
+    from hf_dflash.data.continuous import ReservedLayer
+    from transformers.cache_utils import DynamicLayer
+
+    torch.manual_seed(0)
+    reserved, dynamic = ReservedLayer(reserve=4), DynamicLayer()
+    prefill = torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4)
+    for layer in (reserved, dynamic):
+        layer.update(*prefill)
+    buffer = reserved.keys.untyped_storage().data_ptr()
+    grown = 0
+    for step in range(10):
+        new = torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4)
+        keys, values = reserved.update(*new)
+        expected_keys, expected_values = dynamic.update(*new)
+        assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+        assert reserved.get_seq_length() == dynamic.get_seq_length() == 6 + step
+        if reserved.keys.untyped_storage().data_ptr() != buffer:
+            grown, buffer = grown + 1, reserved.keys.untyped_storage().data_ptr()
+    assert grown == 2  # 10 new slots, room for 4 at a time: 2 regrowths, not 10 copies
+    for layer in (reserved, dynamic):
+        layer.batch_select_indices(torch.tensor([2, 0]))
+    assert torch.equal(reserved.keys, dynamic.keys) and torch.equal(reserved.values, dynamic.values)
+    new = torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4)
+    assert all(torch.equal(a, b) for a, b in zip(reserved.update(*new), dynamic.update(*new)))
+    reserved.reset()
+    assert reserved.get_seq_length() == 0 and not reserved.is_initialized
+    reserved.update(*prefill)
+    assert torch.equal(reserved.keys, prefill[0])
+    with pytest.raises(ValueError, match="reserve"):
+        ReservedLayer(reserve=0)
+
+
+def test_the_regeneration_cache_reserves_slots():
+    from hf_dflash.data.continuous import ReservedLayer, prefill
+
+    cache, mask, first = prefill(make_target("qwen3"), PROMPTS[:3], pad_id=0)
+    assert all(isinstance(layer, ReservedLayer) for layer in cache.layers)
+    assert mask.shape[0] == first.shape[0] == 3

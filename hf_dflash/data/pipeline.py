@@ -17,7 +17,7 @@ import torch
 
 from ..models import DEFAULT_TARGET, load_target
 from .corpus import build_corpus
-from .regenerate import regenerate_responses
+from .regenerate import DEFAULT_REGENERATION_BATCH, DEFAULT_REGENERATION_SHARD, regenerate_responses
 from .shards import read_jsonl
 from .sources import TRAIN_SOURCES
 from .tokenize import tokenize_responses
@@ -35,8 +35,8 @@ def prepare_data(
     dtype: torch.dtype | str = torch.bfloat16,
     temperature: float = 0.0,
     max_new_tokens: int = 512,
-    batch_size: int = 8,
-    shard_size: int = 128,
+    batch_size: int = DEFAULT_REGENERATION_BATCH,
+    shard_size: int = DEFAULT_REGENERATION_SHARD,
     max_length: int = 3072,
     block_size: int = 16,
     seed: int = 0,
