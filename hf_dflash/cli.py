@@ -191,6 +191,7 @@ def _run_prepare_data(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             shard_size=args.shard_size,
             max_length=args.max_length,
+            max_prompt_tokens=args.max_prompt_tokens,
             block_size=args.block_size,
             seed=args.seed,
         )
@@ -252,6 +253,13 @@ def register_prepare_data(subparsers) -> None:
         "--shard-size", type=int, default=DEFAULT_REGENERATION_SHARD, help="prompts per response shard (default: %(default)s)"
     )
     parser.add_argument("--max-length", type=int, default=3072, help="sample length limit (default: %(default)s)")
+    parser.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=512,
+        help="skip longer rendered prompts (default: %(default)s: regeneration runs on CPU, where a batch of "
+        "~2.7k-token prompts ran over 9 minutes; the replies are what is supervised)",
+    )
     parser.add_argument(
         "--block-size", type=int, default=16, help="drafter block size: samples need 2x this many supervised tokens"
     )

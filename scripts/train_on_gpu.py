@@ -19,7 +19,8 @@ script runs the package's own stages (`regenerate_responses`, `tokenize_response
         --gen-seconds 200 --train-seconds 260 --variant L3:num_hidden_layers=3 --variant L5:num_hidden_layers=5
 
     # from the committed data, a recipe comparison (training.* / data.* keys reach those sections):
-    python scripts/train_on_gpu.py --data data/smollm2-135m-instruct --out /tmp/run --train-seconds 500 \\
+    python scripts/train_on_gpu.py --data data/smollm2-135m-instruct --eval-part regen-bf16-part2 --out /tmp/run \\
+        --train-seconds 500 \\
         --variant L2:num_hidden_layers=2 --variant L2-V8k:num_hidden_layers=2,draft_vocab_size=8192 \\
         --variant L2-init:num_hidden_layers=2,init_from_target=true --variant L2-kl:num_hidden_layers=2,training.loss_type=kl
 
@@ -149,7 +150,12 @@ def variant_config(args: argparse.Namespace, name: str, overrides: dict, output_
         "target": args.target,
         "target_dtype": "auto",
         "drafter": dict(overrides["drafter"]),
-        "data": {"tokenized": tokenized, "eval_samples": args.eval_samples, **overrides["data"]},
+        "data": {
+            "tokenized": tokenized,
+            "eval_samples": args.eval_samples,
+            **({"eval_part": args.eval_part} if args.eval_part else {}),
+            **overrides["data"],
+        },
         "training": {
             "output_dir": str(output_dir),
             "block_size": args.block_size,
@@ -244,6 +250,7 @@ def forwarded(args: argparse.Namespace) -> list[str]:
         "--gen-batch-size", str(args.gen_batch_size), "--block-size", str(args.block_size),
         "--num-anchors", str(args.num_anchors), "--train-batch-size", str(args.train_batch_size),
         "--eval-samples", str(args.eval_samples), "--seed", str(args.seed),
+        *(["--eval-part", args.eval_part] if args.eval_part else []),
     ]  # fmt: skip
 
 
@@ -271,6 +278,9 @@ def main() -> None:
     parser.add_argument("--num-anchors", type=int, default=128)
     parser.add_argument("--train-batch-size", type=int, default=32)
     parser.add_argument("--eval-samples", type=int, default=64)
+    parser.add_argument(
+        "--eval-part", default=None, help="with --data: hold out the first --eval-samples of this part (fixed as data grows)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--workers", type=int, default=1, help=argparse.SUPPRESS)

@@ -392,6 +392,22 @@ def test_prepare_data_command_runs_and_resumes(tmp_path, monkeypatch, capsys):
     assert main(argv) == 0
 
 
+def test_prepare_data_caps_the_prompt_length_for_cpu_regeneration(tmp_path, monkeypatch):
+    rows = [{"prompt": f"Hi {i}."} for i in range(3)] + [{"prompt": "long " * 40 + str(i)} for i in range(2)]
+    prompts = write_lines(tmp_path / "mine.jsonl", rows)
+    monkeypatch.setattr(corpus, "load_eval_suite", lambda: EVAL_SUITE)
+    monkeypatch.setattr(pipeline, "load_target", lambda name, dtype: (make_target("llama"), make_char_tokenizer()))
+    argv = ["prepare-data", "--out", str(tmp_path / "out"), "--sources", "", "--prompts", str(prompts),
+            "--max-new-tokens", "8", "--block-size", "2", "--max-length", "512"]  # fmt: skip
+    assert main([*argv, "--max-prompt-tokens", "100"]) == 0
+    settings = json.loads((tmp_path / "out" / "responses" / "config.json").read_text())
+    assert settings["max_prompt_tokens"] == 100
+    assert json.loads((tmp_path / "out" / "tokenized" / "summary.json").read_text())["skipped_prompts"] == 2
+    # the cap never lets a prompt leave less than max_new_tokens of room within max_length
+    assert main(["prepare-data", "--out", str(tmp_path / "other"), *argv[3:-1], "64", "--max-prompt-tokens", "512"]) == 0
+    assert json.loads((tmp_path / "other" / "responses" / "config.json").read_text())["max_prompt_tokens"] == 56
+
+
 def test_prepare_data_command_reports_unknown_sources_and_missing_packages(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(corpus, "load_eval_suite", lambda: EVAL_SUITE)
     assert main(["prepare-data", "--out", str(tmp_path / "a"), "--sources", "gsm8k,nope"]) == 1

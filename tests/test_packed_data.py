@@ -101,3 +101,39 @@ def test_pack_data_command_records_the_run_settings(tmp_path, monkeypatch, capsy
                         "tokenization": {"max_length": 1024}, "note": "a test"}
     assert cli.main([*argv[:-4], "--responses", str(tmp_path / "nowhere")]) == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_held_out_part_stays_the_same_when_data_is_added(tmp_path):
+    from types import SimpleNamespace
+
+    from hf_dflash.trainer.train import build_datasets
+
+    tok, out = make_char_tokenizer(), tmp_path / "packed"
+    online = SimpleNamespace(feature_mode="online")
+
+    def add_part(name, source, count):
+        write_tokenized(tmp_path / name, "tokenized-00000.jsonl", [sample(i, source) for i in range(count)])
+        pack_tokenized(tmp_path / name, out, part=name, settings=SETTINGS, tokenizer=tok)
+
+    def split(**section):
+        train, evaluation = build_datasets({"tokenized": str(out), **section}, online, None, len(tok))
+        return [item["id"] for item in train], [item["id"] for item in evaluation]
+
+    add_part("p1", "math", 3)
+    add_part("p2", "gsm8k", 4)
+    train, held_out = split(eval_samples=2, eval_part="p2")
+    assert held_out == ["gsm8k:0", "gsm8k:1"]
+    assert train == ["math:0", "math:1", "math:2", "gsm8k:2", "gsm8k:3"]
+    add_part("p3", "codeio", 2)
+    train, held_out_later = split(eval_samples=2, eval_part="p2", max_train_samples=6)
+    assert held_out_later == held_out and train == ["math:0", "math:1", "math:2", "gsm8k:2", "gsm8k:3", "codeio:0"]
+    assert split(eval_samples=1)[1] == ["codeio:1"]  # without eval_part: the last samples, which move
+    with pytest.raises(ValueError, match="eval_part='p9'.*has p1, p2, p3"):
+        split(eval_samples=2, eval_part="p9")
+    with pytest.raises(ValueError, match="eval_samples=5.*p2 has 4"):
+        split(eval_samples=5, eval_part="p2")
+    with pytest.raises(ValueError, match="eval_part='p2' is not among data.parts"):
+        split(eval_samples=2, eval_part="p2", parts=["p1", "p3"])
+    write_tokenized(tmp_path / "plain", "tokenized-00000.jsonl", [sample(0)])
+    with pytest.raises(ValueError, match="eval_part needs a packed folder"):
+        build_datasets({"tokenized": str(tmp_path / "plain"), "eval_part": "p1"}, online, None, len(tok))

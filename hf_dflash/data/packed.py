@@ -184,7 +184,8 @@ class PackedDataset(Dataset):
     """The samples of a packed folder, in shard order: `{"id", "input_ids": list, "loss_mask": list}`.
 
     Every shard's sha256 is checked against the manifest when the dataset is built (a corrupt or edited
-    shard is a ValueError naming it). `parts` keeps only the shards of those parts.
+    shard is a ValueError naming it). `parts` keeps only the shards of those parts; `self.parts[i]`
+    is the part of sample i.
     """
 
     def __init__(self, folder: str | Path, vocab_size: int | None = None, parts: list[str] | None = None):
@@ -198,11 +199,15 @@ class PackedDataset(Dataset):
         unknown = sorted(set(parts or ()) - set(manifest["parts"]))
         if unknown:
             raise ValueError(f"{self.folder} has no part(s) {unknown}; it has {sorted(manifest['parts'])}.")
+        self.part_names = sorted(manifest["parts"])
         self.samples: list[dict] = []
+        self.parts: list[str] = []  # the part of each sample
         for shard in manifest["shards"]:
             if parts is not None and shard["part"] not in parts:
                 continue
-            self.samples.extend(self.read_shard(self.folder / shard["file"], shard["sha256"]))
+            samples = self.read_shard(self.folder / shard["file"], shard["sha256"])
+            self.samples.extend(samples)
+            self.parts.extend([shard["part"]] * len(samples))
 
     @staticmethod
     def read_shard(path: Path, sha256: str) -> list[dict]:

@@ -38,6 +38,7 @@ def prepare_data(
     batch_size: int = DEFAULT_REGENERATION_BATCH,
     shard_size: int = DEFAULT_REGENERATION_SHARD,
     max_length: int = 3072,
+    max_prompt_tokens: int | None = None,
     block_size: int = 16,
     seed: int = 0,
     progress: bool = True,
@@ -45,7 +46,8 @@ def prepare_data(
 ) -> dict:
     """Run (or resume) the three stages into `out_dir`; returns {"corpus": summary, "tokenized": summary}.
 
-    Prompts whose rendered length leaves no room for `max_new_tokens` within `max_length` are skipped.
+    Prompts longer than `max_prompt_tokens`, or leaving no room for `max_new_tokens` within `max_length`,
+    are skipped (recorded with the reason).
     See `build_corpus`, `regenerate_responses` and `tokenize_responses` for the arguments.
     """
     if max_new_tokens >= max_length:
@@ -70,7 +72,7 @@ def prepare_data(
         max_new_tokens=max_new_tokens,
         batch_size=batch_size,
         shard_size=shard_size,
-        max_prompt_tokens=max_length - max_new_tokens,
+        max_prompt_tokens=min(max_prompt_tokens or max_length, max_length - max_new_tokens),
         seed=seed,
         progress=progress,
     )

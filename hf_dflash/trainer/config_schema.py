@@ -4,7 +4,7 @@ section, the key and the expected type.
 
 Sections: `target` (str, required), `target_dtype` (auto | float32 | bfloat16 | float16), `drafter`
 (`DFlashConfig.from_target_config` arguments and overridable `DFlashConfig` fields, or `init_from`),
-`data` (`tokenized` required, `features`, `eval_samples`, `max_train_samples`, `parts`), `lora` (`peft.LoraConfig` fields, or null)
+`data` (`tokenized` required, `features`, `eval_samples`, `max_train_samples`, `parts`, `eval_part`), `lora` (`peft.LoraConfig` fields, or null)
 and `training` (`DFlashTrainingArguments` fields, `output_dir` required).
 """
 
@@ -58,6 +58,7 @@ DATA_FIELDS = {
     "eval_samples": int,
     "max_train_samples": int | None,
     "parts": list[str] | None,
+    "eval_part": str | None,
 }
 # PyYAML (YAML 1.1) reads 6e-4 (no dot) as a string; in a float field it is the number the user meant.
 _EXPONENT_FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")

@@ -10,6 +10,7 @@ data:
   tokenized: out/data/tokenized   # tokenized-*.jsonl shards (hf-dflash prepare-data), or a packed folder
   features: out/features          # cached features, used when training.feature_mode is offline
   eval_samples: 32                # held out from the end of the data for evaluation
+  eval_part: null                 # optional, packed folders: hold out the first eval_samples of this part
   max_train_samples: null         # optional: train on the first N samples only (learning curves)
   parts: null                     # optional, packed folders: use only these parts
 lora: null                        # e.g. {r: 16, lora_alpha: 32, target_modules: [q_proj, v_proj]}
@@ -144,14 +145,33 @@ def build_datasets(section: dict, args: DFlashTrainingArguments, drafter: DFlash
     else:
         dataset = TokenizedDataset(section["tokenized"], vocab_size=vocab_size)
     held_out = int(section.get("eval_samples", 0))
-    if held_out >= len(dataset):
+    if section.get("eval_part") is not None:
+        evaluation_indices = held_out_part_indices(dataset, section["eval_part"], held_out, section.get("parts"))
+    else:  # the last samples (they move when data is appended: use eval_part for comparisons across runs)
+        evaluation_indices = list(range(max(len(dataset) - held_out, 0), len(dataset)))
+    held = set(evaluation_indices)
+    train_indices = [i for i in range(len(dataset)) if i not in held]
+    if not train_indices:
         raise ValueError(f"data.eval_samples={held_out} leaves no training data (dataset has {len(dataset)} samples).")
-    # The held-out samples are the last ones; max_train_samples keeps the first N of the rest (learning curves).
-    available = len(dataset) - held_out
-    limit = section.get("max_train_samples")
-    train = Subset(dataset, range(available if limit is None else min(int(limit), available)))
-    evaluation = Subset(dataset, range(len(dataset) - held_out, len(dataset))) if held_out else None
+    limit = section.get("max_train_samples")  # the first N training samples (learning curves)
+    train = Subset(dataset, train_indices if limit is None else train_indices[: int(limit)])
+    evaluation = Subset(dataset, evaluation_indices) if evaluation_indices else None
     return train, evaluation
+
+
+def held_out_part_indices(dataset, part: str, count: int, parts: list[str] | None) -> list[int]:
+    """Indices of the first `count` samples of packed part `part`: a held-out set that stays the same
+    when other parts (or later shards of other parts) are added."""
+    if not isinstance(dataset, PackedDataset):
+        raise ValueError(f"data.eval_part needs a packed folder (hf-dflash pack-data); {dataset.__class__.__name__} has no parts.")
+    if part not in dataset.part_names:
+        raise ValueError(f"data.eval_part={part!r}: the packed folder has no such part; it has {', '.join(dataset.part_names)}.")
+    if parts is not None and part not in parts:
+        raise ValueError(f"data.eval_part={part!r} is not among data.parts={parts}; add it there.")
+    indices = [i for i, name in enumerate(dataset.parts) if name == part]
+    if not 1 <= count <= len(indices):
+        raise ValueError(f"data.eval_samples={count} must be between 1 and the size of part {part}: {part} has {len(indices)} samples.")
+    return indices[:count]
 
 
 def choose_draft_vocab(drafter: DFlashDraftModel, train, target) -> dict:

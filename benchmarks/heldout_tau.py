@@ -1,0 +1,77 @@
+"""Held-out τ of several drafters, side by side, on one fixed set of committed chats.
+
+The figure that decides whether a new drafter replaces the shipped one, before the (slow) bench: for
+each drafter, the served-walk τ (`served_tau_estimate`: anchors visited the way `generate` visits
+them, predicted round for round by the training forward) and the uniform all-anchor τ, on the same
+held-out chats of a packed folder (`--eval-part`: the first `--samples` chats of that part, a set that
+does not move when more data is packed; without it, the last `--samples` chats).
+
+    python benchmarks/heldout_tau.py models/smollm2-135m-instruct-dflash out/run/drafters/L3-bf16 \\
+        --data data/smollm2-135m-instruct --eval-part regen-bf16-part2 --samples 64
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from hf_dflash.checkpoints import load_drafter
+from hf_dflash.data.packed import PackedDataset
+from hf_dflash.models import load_target
+from hf_dflash.trainer.consistency import served_tau_estimate
+from hf_dflash.trainer.train import held_out_part_indices
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("drafters", nargs="+", help="drafter folders (either checkpoint format)")
+    parser.add_argument("--data", default="data/smollm2-135m-instruct", help="packed folder (default: %(default)s)")
+    parser.add_argument("--eval-part", default=None, help="hold out the first --samples chats of this part")
+    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="auto", help="target and drafter dtype (default: auto)")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default="out/heldout_tau.json")
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+    dataset = PackedDataset(args.data)
+    if args.eval_part is not None:
+        indices = held_out_part_indices(dataset, args.eval_part, args.samples, None)
+    else:
+        indices = list(range(max(len(dataset) - args.samples, 0), len(dataset)))
+    held_out = [dataset[i] for i in indices]
+    target, _ = load_target(args.target, dtype=args.dtype)
+    rows = []
+    for path in args.drafters:
+        drafter = load_drafter(path).to(target.dtype).eval()
+        start = time.perf_counter()
+        estimate = served_tau_estimate(drafter, target, held_out)
+        rows.append(
+            {
+                "drafter": path,
+                "served_tau": round(estimate.served_tau, 4),
+                "all_anchor_tau": round(estimate.uniform_tau, 4),
+                "rounds": len(estimate.rounds),
+                "seconds": round(time.perf_counter() - start, 1),
+            }
+        )
+        print(f"{path}: served-walk τ {estimate.served_tau:.3f}, all-anchor τ {estimate.uniform_tau:.3f}", flush=True)
+    held = f"the first {len(held_out)} chats of part {args.eval_part}" if args.eval_part else f"the last {len(held_out)} chats"
+    print(f"\nheld out: {held} of {args.data}, {target.dtype}\n")
+    print("| drafter | served-walk τ | all-anchor τ | rounds |\n|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['drafter']} | {row['served_tau']:.3f} | {row['all_anchor_tau']:.3f} | {row['rounds']} |")
+    result = {
+        "settings": {**vars(args), "dtype": str(target.dtype), "sample_ids": [sample["id"] for sample in held_out]},
+        "results": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
