@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # release (5.23 passes `past_key_values=` where 5.24 passes `cache=`), installed beside the venv.
 COMPAT := .cache/transformers-5.23.0
 COMPAT_TESTS := tests/test_generate_hook.py tests/test_modeling.py tests/test_checkpoints.py tests/test_generation_batched.py \
-	tests/test_adaptive.py tests/test_tree.py tests/test_tree_budget.py tests/test_generation_hybrid.py \
+	tests/test_adaptive.py tests/test_continuous_regeneration.py tests/test_tree.py tests/test_tree_budget.py tests/test_generation_hybrid.py \
 	tests/test_generation_greedy.py::test_return_dict_scores_logits_and_hidden_states_match_plain \
 	tests/test_generation_greedy.py::test_eos_inside_accepted_block_stops_there
 
