@@ -1,0 +1,97 @@
+"""Regenerate a range of corpus prompts on CPU in the background, then pack it into the committed data.
+
+How the committed `data/smollm2-135m-instruct` parts were made, as one resumable command per range:
+
+    # regenerate (kill and re-run at will: finished shards are kept), one torch thread per job
+    OMP_WAIT_POLICY=PASSIVE nice -n 19 python scripts/regenerate_range.py --part regen-bf16-part5 \\
+        --start 5760 --end 13568 &
+    # before the session ends: tokenize the finished shards and append them to the data (incremental)
+    python scripts/regenerate_range.py --part regen-bf16-part5 --start 5760 --end 13568 --pack
+
+`--prompts` is the decontaminated corpus the parts come from (`prompts.jsonl` of `hf-dflash
+prepare-data`; default: the head start in ../shared/data). A part is one range with one set of settings:
+a range that continues another on a fresh machine is a new part (pack-data refuses a sample id twice).
+data/README.md says which prompt ranges the parts hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_PROMPTS = REPO.parent / "shared" / "data" / "smollm2-regen-fp32-part0" / "corpus" / "prompts.jsonl"
+DATA = REPO / "data" / "smollm2-135m-instruct"
+
+
+def regenerate(args: argparse.Namespace, work: Path) -> None:
+    import torch
+
+    from hf_dflash.data.regenerate import regenerate_responses
+    from hf_dflash.data.shards import read_jsonl
+    from hf_dflash.models import load_target
+
+    torch.set_num_threads(args.threads)
+    prompts = list(read_jsonl(args.prompts))[args.start : args.end]
+    if not prompts:
+        raise SystemExit(f"regenerate_range: error: no prompts in [{args.start}, {args.end}) of {args.prompts}")
+    model, tokenizer = load_target(dtype=args.dtype)
+    regenerate_responses(
+        model, tokenizer, prompts, work / "responses", max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size, shard_size=args.shard_size, max_prompt_tokens=args.max_prompt_tokens, seed=0,
+    )  # fmt: skip
+
+
+def pack(args: argparse.Namespace, work: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from hf_dflash.data.tokenize import tokenize_responses
+    from hf_dflash.models import default_cache_dir, load_target
+
+    load_target()  # converts the target once if this machine has not yet (its tokenizer is needed)
+    tokenizer = AutoTokenizer.from_pretrained(default_cache_dir() / "smollm2-135m-instruct")
+    tokenize_responses(tokenizer, work / "responses", work / "tokenized", max_length=1024, block_size=8)
+    corpus = work / "corpus-record"
+    corpus.mkdir(exist_ok=True)
+    (corpus / "config.json").write_text((Path(args.prompts).parent / "config.json").read_text())
+    dtype = json.loads((work / "responses" / "config.json").read_text())["dtype"].removeprefix("torch.")
+    span = f"{args.start} to {args.end - 1}" if args.end is not None else f"{args.start} onwards"
+    note = (
+        f"corpus prompts {span} ({os.path.relpath(args.prompts, REPO.parent)}), regenerated greedily in {dtype} with "
+        f"continuous batching ({args.batch_size} rows, shards of {args.shard_size}), {args.threads} torch thread(s) "
+        f"per job, by scripts/regenerate_range.py; tokenized max_length 1024, block_size 8 (>= 16 supervised tokens)"
+    )
+    subprocess.run(
+        [sys.executable, "-m", "hf_dflash.cli", "pack-data", "--tokenized", str(work / "tokenized"), "--out", str(args.data),
+         "--part", args.part, "--responses", str(work / "responses"), "--corpus", str(corpus),
+         "--samples-per-shard", "1024", "--note", note],
+        check=True, cwd=REPO,
+    )  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", required=True, help="the data part this range fills, e.g. regen-bf16-part5")
+    parser.add_argument("--start", type=int, required=True, help="first corpus prompt (0-based)")
+    parser.add_argument("--end", type=int, default=None, help="one past the last (default: the corpus end)")
+    parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="corpus prompts.jsonl (default: %(default)s)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--shard-size", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=384)
+    parser.add_argument("--max-prompt-tokens", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=int(os.environ.get("REGEN_THREADS", "1")))
+    parser.add_argument("--data", default=str(DATA), help="packed folder to append to (default: %(default)s)")
+    parser.add_argument("--work", default=None, help="scratch folder (default: out/regen/PART)")
+    parser.add_argument("--pack", action="store_true", help="tokenize the finished shards and pack them into data/")
+    args = parser.parse_args()
+    work = Path(args.work or REPO / "out" / "regen" / args.part)
+    (pack if args.pack else regenerate)(args, work)
+
+
+if __name__ == "__main__":
+    main()
