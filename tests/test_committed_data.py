@@ -1,0 +1,35 @@
+"""The training data committed in `data/`: every shard intact and counted as its manifest says."""
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from hf_dflash.data.packed import PackedDataset, read_manifest, source_of
+
+FOLDER = Path(__file__).resolve().parent.parent / "data" / "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def committed():
+    return PackedDataset(FOLDER, vocab_size=49152), read_manifest(FOLDER)  # checks every shard's sha256
+
+
+def test_the_committed_data_matches_its_manifest(committed):
+    dataset, manifest = committed
+    totals = manifest["totals"]
+    assert len(dataset) == totals["samples"] == sum(shard["samples"] for shard in manifest["shards"])
+    assert sum(len(sample["input_ids"]) for sample in dataset) == totals["tokens"]
+    assert sum(sum(sample["loss_mask"]) for sample in dataset) == totals["supervised_tokens"]
+    assert dict(Counter(source_of(sample["id"]) for sample in dataset)) == totals["per_source"]
+    assert len({sample["id"] for sample in dataset}) == len(dataset)  # no chat packed twice
+    assert set(dataset.parts) == set(manifest["parts"])
+    for part in manifest["parts"].values():  # each part says how it was made
+        assert {"regeneration", "tokenization", "note"} <= set(part["settings"])
+
+
+def test_every_committed_sample_is_trainable(committed):
+    dataset, _ = committed
+    for sample in dataset:
+        assert len(sample["input_ids"]) == len(sample["loss_mask"]) <= 1024
+        assert sum(sample["loss_mask"]) >= 16 and max(sample["input_ids"]) < 49152
