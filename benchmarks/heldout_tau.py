@@ -21,7 +21,7 @@ from hf_dflash.checkpoints import load_drafter
 from hf_dflash.data.packed import PackedDataset
 from hf_dflash.models import load_target
 from hf_dflash.trainer.consistency import served_tau_estimate
-from hf_dflash.trainer.train import held_out_part_indices
+from hf_dflash.trainer.train import held_out_indices
 
 
 def main() -> None:
@@ -39,11 +39,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     dataset = PackedDataset(args.data)
-    if args.eval_part is not None:
-        indices = held_out_part_indices(dataset, args.eval_part, args.samples, None)
-    else:
-        indices = list(range(max(len(dataset) - args.samples, 0), len(dataset)))
-    held_out = [dataset[i] for i in indices]
+    held_out = [dataset[i] for i in held_out_indices(dataset, args.samples, args.eval_part)]
     target, _ = load_target(args.target, dtype=args.dtype)
     rows = []
     for path in args.drafters:

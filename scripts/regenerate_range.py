@@ -23,6 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hf_dflash.data.regenerate import DEFAULT_REGENERATION_BATCH, DEFAULT_REGENERATION_SHARD
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPTS = REPO.parent / "shared" / "data" / "smollm2-regen-fp32-part0" / "corpus" / "prompts.jsonl"
 DATA = REPO / "data" / "smollm2-135m-instruct"
@@ -80,8 +82,8 @@ def main() -> None:
     parser.add_argument("--end", type=int, default=None, help="one past the last (default: the corpus end)")
     parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="corpus prompts.jsonl (default: %(default)s)")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--shard-size", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=DEFAULT_REGENERATION_BATCH)
+    parser.add_argument("--shard-size", type=int, default=DEFAULT_REGENERATION_SHARD)
     parser.add_argument("--max-new-tokens", type=int, default=384)
     parser.add_argument("--max-prompt-tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=int(os.environ.get("REGEN_THREADS", "1")))

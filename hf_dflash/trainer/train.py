@@ -145,10 +145,7 @@ def build_datasets(section: dict, args: DFlashTrainingArguments, drafter: DFlash
     else:
         dataset = TokenizedDataset(section["tokenized"], vocab_size=vocab_size)
     held_out = int(section.get("eval_samples", 0))
-    if section.get("eval_part") is not None:
-        evaluation_indices = held_out_part_indices(dataset, section["eval_part"], held_out, section.get("parts"))
-    else:  # the last samples (they move when data is appended: use eval_part for comparisons across runs)
-        evaluation_indices = list(range(max(len(dataset) - held_out, 0), len(dataset)))
+    evaluation_indices = held_out_indices(dataset, held_out, section.get("eval_part"), section.get("parts"))
     held = set(evaluation_indices)
     train_indices = [i for i in range(len(dataset)) if i not in held]
     if not train_indices:
@@ -159,9 +156,12 @@ def build_datasets(section: dict, args: DFlashTrainingArguments, drafter: DFlash
     return train, evaluation
 
 
-def held_out_part_indices(dataset, part: str, count: int, parts: list[str] | None) -> list[int]:
-    """Indices of the first `count` samples of packed part `part`: a held-out set that stays the same
-    when other parts (or later shards of other parts) are added."""
+def held_out_indices(dataset, count: int, part: str | None = None, parts: list[str] | None = None) -> list[int]:
+    """Indices of the held-out samples: the first `count` of packed part `part` (a set that stays the same
+    when other parts, or later shards of other parts, are added), or without `part` the last `count`
+    samples (they move when data is appended)."""
+    if part is None:
+        return list(range(max(len(dataset) - count, 0), len(dataset)))
     if not isinstance(dataset, PackedDataset):
         raise ValueError(f"data.eval_part needs a packed folder (hf-dflash pack-data); {dataset.__class__.__name__} has no parts.")
     if part not in dataset.part_names:
