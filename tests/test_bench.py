@@ -18,7 +18,7 @@ from hf_dflash.cli import main
 from hf_dflash.hub_cards import load_benchmark
 from hf_dflash.hub_cards.schemas import BENCHMARK_SET_FIELDS, validate_benchmark
 from tests.conftest import OracleDrafter, make_drafter, make_target
-from tests.test_data import make_char_tokenizer, write_lines
+from tests.test_data import save_tiny_folders, write_lines
 
 PROMPTS = [
     {"prompt": "Write a function that reverses a string."},
@@ -42,11 +42,7 @@ def private_cache(tmp_path_factory):
 def folders(tmp_path_factory):
     """(target folder, drafter folder, prompts file): tiny fp32 target + tokenizer, block-4 random drafter."""
     root = tmp_path_factory.mktemp("bench")
-    target = make_target("llama")
-    target.save_pretrained(root / "target")
-    make_char_tokenizer().save_pretrained(root / "target")
-    make_drafter(target, block_size=4).save_pretrained(root / "drafter")
-    return root / "target", root / "drafter", write_lines(root / "mine.jsonl", PROMPTS)
+    return *save_tiny_folders(root), write_lines(root / "mine.jsonl", PROMPTS)
 
 
 def bench(folders, out, *extra) -> dict:

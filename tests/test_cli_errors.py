@@ -9,21 +9,17 @@ import torch
 import hf_dflash.data.corpus as corpus
 import hf_dflash.data.pipeline as pipeline
 from hf_dflash.cli import main
-from tests.conftest import make_drafter, make_target
-from tests.test_data import EVAL_SUITE, make_char_tokenizer, write_lines
+from tests.conftest import make_target
+from tests.test_data import EVAL_SUITE, make_char_tokenizer, save_tiny_folders, write_lines
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """(target folder with tokenizer, drafter folder, a 10-prompt file, an empty prompt file)."""
     root = tmp_path_factory.mktemp("cli")
-    target = make_target("llama")
-    target.save_pretrained(root / "target")
-    make_char_tokenizer().save_pretrained(root / "target")
-    make_drafter(target, block_size=4).save_pretrained(root / "drafter")
     prompts = write_lines(root / "ten.jsonl", [{"prompt": f"Count to {i}."} for i in range(10)])
     empty = write_lines(root / "empty.jsonl", ["", "   "])
-    return root / "target", root / "drafter", prompts, empty
+    return *save_tiny_folders(root), prompts, empty
 
 
 def fails_cleanly(capsys, argv, command, *fragments):

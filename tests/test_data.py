@@ -17,7 +17,7 @@ from hf_dflash.data import corpus, pipeline, regenerate, sources
 from hf_dflash.data.corpus import build_corpus, read_prompts_file
 from hf_dflash.data.regenerate import regenerate_responses
 from hf_dflash.data.tokenize import tokenize_conversation, tokenize_responses
-from tests.conftest import VOCAB, make_target
+from tests.conftest import VOCAB, make_drafter, make_target
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -47,6 +47,15 @@ def user(text):
 
 def assistant(text):
     return {"role": "assistant", "content": text}
+
+
+def save_tiny_folders(root: Path) -> tuple[Path, Path]:
+    """(target folder with the character tokenizer, block-4 random drafter folder) under `root`, for CLI tests."""
+    target = make_target("llama")
+    target.save_pretrained(root / "target")
+    make_char_tokenizer().save_pretrained(root / "target")
+    make_drafter(target, block_size=4).save_pretrained(root / "drafter")
+    return root / "target", root / "drafter"
 
 
 def write_lines(path: Path, rows) -> Path:
