@@ -6,7 +6,8 @@
 #   3. `hf-dflash bench` on CUDA with the best variant (by served-walk τ) on every kit prompt set;
 #   4. into $OUT (8 files at most, 16 MiB each): results.json, session.log, the best drafter as tar parts.
 # Settings (environment): TRAIN_SECONDS (210), SESSION_SECONDS (560), VARIANTS (space-separated --variant values; the default three
-# each get a third of the GPU: v1's recipe on the larger data, with a pruned vocabulary, with KL distillation;
+# each get a third of the GPU: v1's recipe on the larger data; with a pruned vocabulary and block 8 (both
+# gained held-out τ per CPU-hour in benchmarks/recipe_comparison.py); with KL distillation;
 # depth was settled by v1's run, L5 over L3), TRAIN_ARGS (more train_on_gpu.py options), DEVICE (cuda),
 # BENCH_METHODS (all), BENCH_TOKENS (256), PYTHON (python3).
 # Rehearse it on CPU (the kit made by gpu_kit.py, a fresh target cache, tiny settings):
@@ -16,7 +17,7 @@
 set -euo pipefail
 TRAIN_SECONDS=${TRAIN_SECONDS:-210}  # + ~1 min of evaluations, then the bench: all inside one 600 s call
 SESSION_SECONDS=${SESSION_SECONDS:-560}  # no bench set is started later than 60 s before this
-VARIANTS=${VARIANTS:-"L5:num_hidden_layers=5 L5-V8k:num_hidden_layers=5,draft_vocab_size=8192 L5-kl:num_hidden_layers=5,training.loss_type=kl"}
+VARIANTS=${VARIANTS:-"L5:num_hidden_layers=5 L5-V8k-B8:num_hidden_layers=5,draft_vocab_size=8192,block_size=8,training.block_size=8 L5-kl:num_hidden_layers=5,training.loss_type=kl"}
 TRAIN_ARGS=${TRAIN_ARGS:-}
 DEVICE=${DEVICE:-cuda}
 BENCH_METHODS=${BENCH_METHODS:-plain,dflash,builtin,lookup,hybrid,plain-alt}

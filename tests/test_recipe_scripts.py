@@ -1,0 +1,68 @@
+"""The variant grammar shared by scripts/train_on_gpu.py and benchmarks/recipe_comparison.py, and the
+training dtype rule of the CPU path (the runs themselves are measured, not unit-tested)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from hf_dflash import dtypes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_module(relative: str):
+    spec = importlib.util.spec_from_file_location(Path(relative).stem, ROOT / relative)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+train_on_gpu = load_module("scripts/train_on_gpu.py")
+recipe = load_module("benchmarks/recipe_comparison.py")
+
+
+def test_parse_variant_sections_and_json_values():
+    name, sections = train_on_gpu.parse_variant(
+        'L2:num_hidden_layers=2,draft_vocab_size=null,training.loss_type=kl,training.eval_strategy="no",'
+        "data.max_train_samples=250,init_from_target=true"
+    )
+    assert name == "L2"
+    assert sections == {
+        "drafter": {"num_hidden_layers": 2, "draft_vocab_size": None, "init_from_target": True},
+        "training": {"loss_type": "kl", "eval_strategy": "no"},
+        "data": {"max_train_samples": 250},
+    }
+    with pytest.raises(ValueError, match="lora.r"):
+        train_on_gpu.parse_variant("X:lora.r=8")
+
+
+def test_base_comes_first_so_a_variant_overrides_it():
+    spec = recipe.with_base("L1:num_hidden_layers=1", "num_hidden_layers=2,training.seed=3")
+    _, sections = train_on_gpu.parse_variant(spec)
+    assert sections["drafter"] == {"num_hidden_layers": 1}
+    assert sections["training"] == {"seed": 3}
+    assert recipe.with_base("L2:", "num_hidden_layers=2") == "L2:num_hidden_layers=2"
+
+
+def test_warm_start_keeps_its_architecture_and_names_its_start():
+    spec = recipe.with_base("v1:init_from=models/x,training.learning_rate=2e-4", "num_hidden_layers=2,draft_vocab_size=8192,training.eval_strategy=\"no\"")
+    _, sections = train_on_gpu.parse_variant(spec)
+    assert sections["drafter"] == {"init_from": "models/x"}  # no architecture keys next to init_from
+    assert sections["training"] == {"eval_strategy": "no", "learning_rate": 2e-4}
+    assert recipe.starting_drafter(spec) == "models/x"
+    assert recipe.starting_drafter("L2:num_hidden_layers=2") is None
+
+
+def test_every_built_in_variant_parses_with_a_unique_name():
+    names = [train_on_gpu.parse_variant(recipe.with_base(spec, recipe.BASE))[0] for spec in recipe.VARIANTS]
+    assert len(set(names)) == len(names)
+
+
+@pytest.mark.parametrize(
+    "flags, device, expected",
+    [({"avx512_bf16", "amx_bf16"}, "cpu", True), ({"avx2", "avx512f"}, "cpu", False), ({"avx2"}, "cuda", True)],
+)
+def test_training_autocasts_bf16_only_where_it_is_native(monkeypatch, flags, device, expected):
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset(flags))
+    assert train_on_gpu.train_in_bf16(device) is expected
