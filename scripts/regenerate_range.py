@@ -4,9 +4,9 @@ How the committed `data/smollm2-135m-instruct` parts were made, as one resumable
 
     # regenerate (kill and re-run at will: finished shards are kept), one torch thread per job
     OMP_WAIT_POLICY=PASSIVE nice -n 19 python scripts/regenerate_range.py --part regen-bf16-part5 \\
-        --start 5760 --end 13568 &
+        --start 7808 --end 13568 &
     # before the session ends: tokenize the finished shards and append them to the data (incremental)
-    python scripts/regenerate_range.py --part regen-bf16-part5 --start 5760 --end 13568 --pack
+    python scripts/regenerate_range.py --part regen-bf16-part5 --start 7808 --end 13568 --pack
 
 `--prompts` is the decontaminated corpus the parts come from (`prompts.jsonl` of `hf-dflash
 prepare-data`; default: the head start in ../shared/data). A part is one range with one set of settings:
