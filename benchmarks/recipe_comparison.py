@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from train_on_gpu import parse_variant  # noqa: E402  (the one grammar of a variant spec)
 BASE = 'num_hidden_layers=2,draft_vocab_size=8192,training.dataloader_num_workers=0,training.eval_strategy="no"'
 # Depth, draft vocabulary, block size, initialisation, distillation, one learning-curve point (250
 # chats: several epochs in the budget instead of a fraction of one), and v1 continued on the new data.
@@ -44,7 +46,7 @@ VARIANTS = (
 
 
 def parse_name(spec: str) -> str:
-    return spec.partition(":")[0]
+    return parse_variant(spec)[0]
 
 
 def with_base(spec: str, base: str) -> str:
@@ -80,11 +82,7 @@ def drafter_folder(out_dir: Path, name: str) -> Path:
 
 def starting_drafter(spec: str) -> str | None:
     """The folder a warm-started variant continues from (its init_from), else None (from scratch)."""
-    for item in spec.partition(":")[2].split(","):
-        key, _, value = item.partition("=")
-        if key == "init_from":
-            return value
-    return None
+    return parse_variant(spec)[1]["drafter"].get("init_from")
 
 
 def main() -> None:

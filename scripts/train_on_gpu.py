@@ -41,7 +41,6 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 
-
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
