@@ -76,6 +76,31 @@ def train_group(specs: list[str], args: argparse.Namespace) -> None:
     subprocess.run(command, env=env, check=True)
 
 
+def score_heldout(drafters: list[str], args: argparse.Namespace, out_json: Path) -> dict[str, dict]:
+    """`benchmarks/heldout_tau.py` on `drafters` (all cores): its row per drafter folder, by folder."""
+    subprocess.run(
+        [
+            sys.executable, str(ROOT / "benchmarks" / "heldout_tau.py"), *drafters,
+            "--data", args.data, "--eval-part", args.eval_part, "--samples", str(args.samples),
+            "--threads", str(os.cpu_count() or 1), "--out", str(out_json),
+        ],  # fmt: skip
+        check=True,
+    )
+    return {row["drafter"]: row for row in json.loads(out_json.read_text())["results"]}
+
+
+def write_result(args: argparse.Namespace, settings: dict, **results) -> None:
+    """--json: the settings (the arguments and `settings`), the machine, `results`, the command line."""
+    result = {
+        "settings": {**vars(args), "out_dir": str(args.out_dir), **settings},
+        "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
+        **results,
+        "command": " ".join(sys.argv),
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+
 def drafter_folder(out_dir: Path, name: str) -> Path:
     return out_dir / "drafters" / f"{name}-bf16"
 
@@ -117,16 +142,7 @@ def main() -> None:
     if missing:
         raise SystemExit(f"recipe_comparison: error: training did not save {missing}; see the log above")
     starts = [start for spec in specs if (start := starting_drafter(spec)) and start != args.reference]
-    heldout_json = args.out_dir / "heldout.json"
-    subprocess.run(
-        [
-            sys.executable, str(ROOT / "benchmarks" / "heldout_tau.py"), args.reference, *dict.fromkeys(starts), *scored,
-            "--data", args.data, "--eval-part", args.eval_part, "--samples", str(args.samples),
-            "--threads", str(os.cpu_count() or 1), "--out", str(heldout_json),
-        ],  # fmt: skip
-        check=True,
-    )
-    heldout = {row["drafter"]: row for row in json.loads(heldout_json.read_text())["results"]}
+    heldout = score_heldout([args.reference, *dict.fromkeys(starts), *scored], args, args.out_dir / "heldout.json")
 
     rows = []
     for spec, name, path in zip(specs, names, scored):
@@ -160,15 +176,7 @@ def main() -> None:
             f"{row['served_tau']:.3f} | {row['all_anchor_tau']:.3f} | {row['served_gain_per_cpu_hour']:.3f} |"
         )
     print(f"| reference {args.reference} | | | | {reference['served_tau']:.3f} | {reference['all_anchor_tau']:.3f} | |")
-    result = {
-        "settings": {**vars(args), "out_dir": str(args.out_dir), "variants": specs},
-        "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
-        "reference": reference,
-        "rows": rows,
-        "command": " ".join(sys.argv),
-    }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args, {"variants": specs}, reference=reference, rows=rows)
 
 
 if __name__ == "__main__":

@@ -66,3 +66,32 @@ def test_every_built_in_variant_parses_with_a_unique_name():
 def test_training_autocasts_bf16_only_where_it_is_native(monkeypatch, flags, device, expected):
     monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset(flags))
     assert train_on_gpu.train_in_bf16(device) is expected
+
+
+curve = load_module("benchmarks/learning_curve.py")
+
+
+def test_learning_curve_runs_share_steps_and_evaluation_points():
+    specs = [recipe.with_base(spec, curve.BASE) for spec in curve.run_specs(2400, 300, [2400, 5000], 64)]
+    parsed = [train_on_gpu.parse_variant(spec) for spec in specs]
+    assert [name for name, _ in parsed] == ["all-chats", "2400-chats", "5000-chats"]
+    for _, sections in parsed:
+        assert sections["training"]["max_steps"] == 2400 and sections["training"]["eval_steps"] == 300
+        assert sections["training"]["eval_served_tau"] == 64  # the whole held-out set, not the trainer's 16
+        assert sections["drafter"]["block_size"] == sections["training"]["block_size"] == 8
+    assert "max_train_samples" not in parsed[0][1]["data"]
+    assert [sections["data"]["max_train_samples"] for _, sections in parsed[1:]] == [2400, 5000]
+
+
+def test_learning_curve_points_pair_each_evaluation_with_chats_seen_and_epochs():
+    log = {
+        "eval_served": [
+            {"step": 300, "eval_served_tau": 1.15, "eval_all_anchor_tau": 1.2},
+            {"step": 600, "eval_served_tau": 1.25, "eval_all_anchor_tau": 1.3},
+        ]
+    }
+    points = curve.curve_points(log, batch_size=4, train_samples=2400)
+    assert points == [
+        {"step": 300, "chats_seen": 1200, "epochs": 0.5, "served_tau": 1.15, "all_anchor_tau": 1.2},
+        {"step": 600, "chats_seen": 2400, "epochs": 1.0, "served_tau": 1.25, "all_anchor_tau": 1.3},
+    ]
