@@ -213,14 +213,19 @@ def train_variant(args: argparse.Namespace) -> None:
         torch.cuda.set_per_process_memory_fraction(args.memory_fraction)
     name, overrides = parse_variant(args.variant[0])
     root = Path(args.out) / "drafters"
-    timer = StepTimer()
-    calibration = root / f"{name}-calibration"
-    shutil.rmtree(calibration, ignore_errors=True)  # this script's own scratch run: a finished one would be skipped
-    train_from_config(variant_config(args, name, overrides, calibration, args.calibration_steps), [timer])
-    seconds_per_step = timer.seconds_per_step(skip=args.calibration_steps // 2)
-    reserve = 45  # loading, final evaluation, saving
-    steps = max(int((args.deadline - time.time() - reserve) / seconds_per_step), args.calibration_steps)
-    log(f"{name}: {seconds_per_step:.3f} s/step -> {steps} steps")
+    steps = overrides["training"].pop("max_steps", None)
+    seconds_per_step = None
+    if steps is None:  # a wall-clock budget: time a few steps, then fit the run into what is left
+        timer = StepTimer()
+        calibration = root / f"{name}-calibration"
+        shutil.rmtree(calibration, ignore_errors=True)  # this script's own scratch run: a finished one would be skipped
+        train_from_config(variant_config(args, name, overrides, calibration, args.calibration_steps), [timer])
+        seconds_per_step = timer.seconds_per_step(skip=args.calibration_steps // 2)
+        reserve = 45  # loading, final evaluation, saving
+        steps = max(int((args.deadline - time.time() - reserve) / seconds_per_step), args.calibration_steps)
+        log(f"{name}: {seconds_per_step:.3f} s/step -> {steps} steps")
+    else:  # training.max_steps fixes the run (learning curves): no timing run, the budget does not apply
+        log(f"{name}: {steps} steps (training.max_steps)")
     started = time.time()
     trainer = train_from_config(variant_config(args, name, overrides, root / name, steps))
     if trainer is None:  # a finished run of exactly this config (train_from_config said so): keep it

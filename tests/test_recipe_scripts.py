@@ -2,6 +2,7 @@
 training dtype rule of the CPU path (the runs themselves are measured, not unit-tested)."""
 
 import importlib.util
+import time
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,43 @@ def test_learning_curve_points_pair_each_evaluation_with_chats_seen_and_epochs()
         {"step": 300, "chats_seen": 1200, "epochs": 0.5, "served_tau": 1.15, "all_anchor_tau": 1.2},
         {"step": 600, "chats_seen": 2400, "epochs": 1.0, "served_tau": 1.25, "all_anchor_tau": 1.3},
     ]
+
+
+def train_variant_configs(monkeypatch, tmp_path, spec: str) -> list[dict]:
+    """The configs `train_on_gpu.train_variant` trains for `spec` (training itself faked: each fake run
+    ticks the callbacks' clocks once per step and reports a finished run)."""
+    import argparse
+
+    import hf_dflash.trainer.train as train
+
+    configs = []
+
+    def fake_train_from_config(config, callbacks=None):
+        configs.append(config)
+        for step in range(config["training"]["max_steps"]):
+            for callback in callbacks or []:
+                callback.times.append(float(step))
+        return None
+
+    monkeypatch.setattr(train, "train_from_config", fake_train_from_config)
+    args = argparse.Namespace(
+        variant=[spec], out=str(tmp_path), device="cpu", memory_fraction=1.0, calibration_steps=4, deadline=time.time() + 100,
+        data="data/smollm2-135m-instruct", target="smollm2-135m-instruct", eval_samples=64, eval_part=None,
+        block_size=16, num_anchors=8, train_batch_size=2, seed=0,
+    )  # fmt: skip
+    train_on_gpu.train_variant(args)
+    return configs
+
+
+def test_a_variant_with_max_steps_trains_exactly_those_steps_with_its_evaluations(monkeypatch, tmp_path):
+    (config,) = train_variant_configs(monkeypatch, tmp_path, "C:training.max_steps=40,training.eval_steps=10")
+    assert config["training"]["max_steps"] == 40  # no timing run: the variant fixed its length
+    assert config["training"]["eval_strategy"] == "steps" and config["training"]["eval_steps"] == 10
+    assert config["training"]["output_dir"] == str(tmp_path / "drafters" / "C")
+
+
+def test_a_budgeted_variant_is_timed_first_then_fitted_into_the_budget(monkeypatch, tmp_path):
+    calibration, run = train_variant_configs(monkeypatch, tmp_path, "B:num_hidden_layers=1")
+    assert calibration["training"]["max_steps"] == 4 and calibration["training"]["eval_strategy"] == "no"
+    assert calibration["training"]["output_dir"].endswith("B-calibration")
+    assert 4 < run["training"]["max_steps"] <= 100 and run["training"]["eval_strategy"] == "steps"
