@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from recipe_comparison import drafter_folder, score_heldout, train_group, with_base, write_result  # noqa: E402
+from recipe_comparison import drafter_folder, parse_name, score_heldout, train_missing, with_base, write_result  # noqa: E402
 
 # The recipe comparison's winner per CPU-hour: 2 layers, block 8 (γ 4), the 8,192-id draft vocabulary.
 BASE = (
@@ -66,25 +66,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2400, help="optimizer steps per run (the cosine schedule's end)")
     parser.add_argument("--eval-every", type=int, default=300, help="steps between held-out evaluations")
     parser.add_argument("--subset", type=int, action="append", default=None, help="chats of a subset run (repeatable)")
-    parser.add_argument("--train-seconds", type=float, default=7000, help="only sizes the calibration's guess")
     parser.add_argument("--parallel", type=int, default=2, help="runs trained at once (one core each)")
     parser.add_argument("--batch-size", type=int, default=4, help="chats per step")
     parser.add_argument("--num-anchors", type=int, default=64, help="blocks per chat per step")
-    parser.add_argument("--calibration-steps", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--base", default=BASE, help="overrides every run starts from (default: %(default)s)")
     parser.add_argument("--reference", default="models/smollm2-135m-instruct-dflash", help="scored beside the runs")
     parser.add_argument("--json", default="out/learning_curve.json")
+    # Every run fixes its length (training.max_steps): no wall-clock budget and no timing run apply.
+    parser.set_defaults(train_seconds=0.0, calibration_steps=16)
     args = parser.parse_args()
     if args.eval_every < 1 or args.steps < args.eval_every:
         parser.error(f"--eval-every must be in 1..--steps, got {args.eval_every} with --steps {args.steps}")
     args.out_dir = Path(args.out_dir)
     specs = run_specs(args.steps, args.eval_every, args.subset or [2400], args.samples)
-    names = [spec.partition(":")[0] for spec in specs]
-
-    todo = [spec for spec in specs if not drafter_folder(args.out_dir, spec.partition(":")[0]).is_dir()]
-    for start in range(0, len(todo), args.parallel):
-        train_group(todo[start : start + args.parallel], args)
+    names = [parse_name(spec) for spec in specs]
+    train_missing(specs, args)
 
     folders = [drafter_folder(args.out_dir, name) for name in names]
     heldout = score_heldout([args.reference, *map(str, folders)], args, args.out_dir / "heldout.json")

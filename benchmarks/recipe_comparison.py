@@ -76,6 +76,13 @@ def train_group(specs: list[str], args: argparse.Namespace) -> None:
     subprocess.run(command, env=env, check=True)
 
 
+def train_missing(specs: list[str], args: argparse.Namespace) -> None:
+    """Train the specs whose drafter is not saved yet, --parallel at a time (re-running resumes)."""
+    todo = [spec for spec in specs if not drafter_folder(args.out_dir, parse_name(spec)).is_dir()]
+    for start in range(0, len(todo), args.parallel):
+        train_group(todo[start : start + args.parallel], args)
+
+
 def score_heldout(drafters: list[str], args: argparse.Namespace, out_json: Path) -> dict[str, dict]:
     """`benchmarks/heldout_tau.py` on `drafters` (all cores): its row per drafter folder, by folder."""
     subprocess.run(
@@ -133,9 +140,7 @@ def main() -> None:
     if len(set(names)) != len(names):
         parser.error(f"variant names must be unique, got {names}")
 
-    todo = [spec for spec in specs if not drafter_folder(args.out_dir, parse_name(spec)).is_dir()]
-    for start in range(0, len(todo), args.parallel):
-        train_group(todo[start : start + args.parallel], args)
+    train_missing(specs, args)
 
     scored = [str(drafter_folder(args.out_dir, name)) for name in names]
     missing = [path for path in scored if not Path(path).is_dir()]
