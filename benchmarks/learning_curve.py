@@ -9,7 +9,7 @@ After training, the final drafters (and the shipped one) are scored again by
 `benchmarks/heldout_tau.py`, which must agree with the last logged point. Prints a table, writes JSON.
 Re-running resumes: a run whose drafter is saved is not trained again.
 
-    python benchmarks/learning_curve.py --out-dir out/curve --steps 2400 --eval-every 300 --subset 2400 \\
+    python benchmarks/learning_curve.py --out-dir out/curve600 --steps 600 --eval-every 150 --subset 600 \\
         --json docs/results/learning_curve_cpu.json
 
 The runs go through `benchmarks/recipe_comparison.py`'s training (`scripts/train_on_gpu.py --device
@@ -26,7 +26,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from recipe_comparison import drafter_folder, parse_name, score_heldout, train_missing, with_base, write_result  # noqa: E402
+from recipe_comparison import (  # noqa: E402
+    add_run_arguments, drafter_folder, parse_name, score_heldout, train_missing, with_base, write_result,
+)
 
 # The recipe comparison's winner per CPU-hour: 2 layers, block 8 (γ 4), the 8,192-id draft vocabulary.
 BASE = (
@@ -59,19 +61,10 @@ def curve_points(log: dict, batch_size: int, train_samples: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out-dir", default="out/curve", help="runs and drafters (resumed)")
-    parser.add_argument("--data", default="data/smollm2-135m-instruct")
-    parser.add_argument("--eval-part", default="regen-bf16-part2")
-    parser.add_argument("--samples", type=int, default=64, help="held-out chats (excluded from training)")
+    add_run_arguments(parser, out_dir="out/curve", base=BASE)
     parser.add_argument("--steps", type=int, default=2400, help="optimizer steps per run (the cosine schedule's end)")
     parser.add_argument("--eval-every", type=int, default=300, help="steps between held-out evaluations")
     parser.add_argument("--subset", type=int, action="append", default=None, help="chats of a subset run (repeatable)")
-    parser.add_argument("--parallel", type=int, default=2, help="runs trained at once (one core each)")
-    parser.add_argument("--batch-size", type=int, default=4, help="chats per step")
-    parser.add_argument("--num-anchors", type=int, default=64, help="blocks per chat per step")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--base", default=BASE, help="overrides every run starts from (default: %(default)s)")
-    parser.add_argument("--reference", default="models/smollm2-135m-instruct-dflash", help="scored beside the runs")
     parser.add_argument("--json", default="out/learning_curve.json")
     # Every run fixes its length (training.max_steps): no wall-clock budget and no timing run apply.
     parser.set_defaults(train_seconds=0.0, calibration_steps=16)

@@ -117,21 +117,26 @@ def starting_drafter(spec: str) -> str | None:
     return parse_variant(spec)[1]["drafter"].get("init_from")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out-dir", default="out/recipe", help="runs and drafters (resumed)")
+def add_run_arguments(parser: argparse.ArgumentParser, out_dir: str, base: str) -> None:
+    """The options of CPU training runs scored on held-out chats (this script's and learning_curve's)."""
+    parser.add_argument("--out-dir", default=out_dir, help="runs and drafters (resumed)")
     parser.add_argument("--data", default="data/smollm2-135m-instruct")
     parser.add_argument("--eval-part", default="regen-bf16-part2")
     parser.add_argument("--samples", type=int, default=64, help="held-out chats (excluded from training)")
-    parser.add_argument("--train-seconds", type=float, default=720, help="wall-clock budget per variant")
-    parser.add_argument("--parallel", type=int, default=2, help="variants trained at once (one core each)")
+    parser.add_argument("--parallel", type=int, default=2, help="runs trained at once (one core each)")
     parser.add_argument("--batch-size", type=int, default=4, help="chats per step")
     parser.add_argument("--num-anchors", type=int, default=64, help="blocks per chat per step")
-    parser.add_argument("--calibration-steps", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--base", default=BASE, help="overrides every variant starts from (default: %(default)s)")
+    parser.add_argument("--base", default=base, help="overrides every run starts from (default: %(default)s)")
+    parser.add_argument("--reference", default="models/smollm2-135m-instruct-dflash", help="scored beside the runs")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_arguments(parser, out_dir="out/recipe", base=BASE)
+    parser.add_argument("--train-seconds", type=float, default=720, help="wall-clock budget per variant")
+    parser.add_argument("--calibration-steps", type=int, default=16)
     parser.add_argument("--variant", action="append", default=None, help="NAME:key=value,... (default: the built-in list)")
-    parser.add_argument("--reference", default="models/smollm2-135m-instruct-dflash", help="scored beside the variants")
     parser.add_argument("--json", default="out/recipe_comparison.json")
     args = parser.parse_args()
     args.out_dir = Path(args.out_dir)
