@@ -2,6 +2,7 @@
 training dtype rule of the CPU path (the runs themselves are measured, not unit-tested)."""
 
 import importlib.util
+import json
 import time
 from pathlib import Path
 
@@ -136,3 +137,41 @@ def test_a_budgeted_variant_is_timed_first_then_fitted_into_the_budget(monkeypat
     assert calibration["training"]["max_steps"] == 4 and calibration["training"]["eval_strategy"] == "no"
     assert calibration["training"]["output_dir"].endswith("B-calibration")
     assert 4 < run["training"]["max_steps"] <= 100 and run["training"]["eval_strategy"] == "steps"
+
+
+offline_subset = load_module("scripts/offline_subset.py")
+
+
+def test_offline_subset_holds_out_the_fixed_chats_last_and_refuses_other_settings(tmp_path, capsys):
+    from hf_dflash.data.packed import PackedDataset, pack_tokenized
+    from hf_dflash.trainer.datasets import TokenizedDataset
+    from hf_dflash.trainer.train import held_out_indices
+    from tests.test_data import make_char_tokenizer
+    from tests.test_packed_data import SETTINGS, sample, write_tokenized
+
+    packed, tok = tmp_path / "packed", make_char_tokenizer()
+    write_tokenized(tmp_path / "a", "tokenized-00000.jsonl", [sample(i) for i in range(6)])
+    write_tokenized(tmp_path / "b", "tokenized-00000.jsonl", [sample(i, "math") for i in range(4)])
+    pack_tokenized(tmp_path / "a", packed, part="train", settings=SETTINGS, tokenizer=tok)
+    pack_tokenized(tmp_path / "b", packed, part="held", settings=SETTINGS, tokenizer=tok)
+    out = tmp_path / "subset"
+    args = ["--data", str(packed), "--out", str(out), "--samples", "4", "--eval-part", "held", "--eval-samples", "2"]
+    assert offline_subset.main(args) == 0
+
+    lines = [json.loads(line) for path in sorted(out.glob("tokenized-*.jsonl")) for line in path.open()]
+    packed_ids = [s["id"] for s in PackedDataset(packed).samples]
+    record = json.loads((out / "subset.json").read_text())
+    assert record["held_out_ids"] == ["math:0", "math:1"]  # the first 2 of the held-out part ...
+    assert [s["id"] for s in lines[-2:]] == ["math:0", "math:1"]  # ... last: `data.eval_samples: 2` holds them out
+    assert len(TokenizedDataset(out)) == 6 and held_out_indices(TokenizedDataset(out), 2) == [4, 5]
+    assert [s["id"] for s in lines[:-2]] == record["train_ids"]
+    assert len(set(record["train_ids"])) == 4 and set(record["train_ids"]) <= set(packed_ids) - {"math:0", "math:1"}
+    assert record["train_ids"] == sorted(record["train_ids"], key=packed_ids.index)  # dataset order
+    # The same settings again: left alone; other settings: refused, nothing overwritten.
+    assert offline_subset.main(args) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(SystemExit, match="another subset"):
+        offline_subset.main([*args[:-5], "3", *args[-4:]])
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    with pytest.raises(SystemExit, match="fewer than --eval-samples"):
+        offline_subset.main(["--data", str(packed), "--out", str(tmp_path / "x"), "--samples", "4", "--eval-part", "held", "--eval-samples", "9"])

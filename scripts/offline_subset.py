@@ -1,0 +1,103 @@
+"""Unpack a seeded subset of the committed packed chats into `tokenized-*.jsonl`, for offline features.
+
+`hf-dflash cache-features` reads tokenised JSONL; the committed data is a packed folder. On a CPU,
+caching all 14.9 k chats would take ~50 minutes and ~35 GB, and the learning curve says a few thousand
+chats seen several times teach a CPU-budget drafter as much as the whole set, so this writes a seeded
+random subset of the training chats, then the fixed held-out chats (the first `--eval-samples` of
+`--eval-part`) as the last file, `tokenized-99999.jsonl`: a training config with
+`data.eval_samples: <the same count>` holds out exactly those (it takes the last samples).
+
+    python scripts/offline_subset.py --out out/offline/tokenized --samples 6000
+    hf-dflash cache-features --data out/offline/tokenized --out out/offline/features --batch-size 8
+
+Files are written under temporary names and renamed when complete; `subset.json` (written last) records
+the settings and the chosen sample ids. Re-running with the same settings leaves a finished folder alone;
+other settings on a folder that holds tokenised files are refused (choose another --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hf_dflash.data.packed import PackedDataset  # noqa: E402
+
+RECORD = "subset.json"
+HELD_OUT_FILE = "tokenized-99999.jsonl"
+SAMPLES_PER_FILE = 1000
+
+
+def choose_subset(parts: list[str], count: int, seed: int, eval_part: str, eval_samples: int) -> tuple[list[int], list[int]]:
+    """(training indices, held-out indices) of a packed dataset whose sample i belongs to `parts[i]`.
+
+    Held out: the first `eval_samples` of `eval_part` (the fixed held-out set of the recipe comparison
+    and learning curve). Training: `count` of the others, drawn with `random.Random(seed)`, in dataset order.
+    """
+    held_out = [i for i, part in enumerate(parts) if part == eval_part][:eval_samples]
+    if len(held_out) < eval_samples:
+        raise ValueError(f"--eval-part {eval_part} has {len(held_out)} samples, fewer than --eval-samples {eval_samples}.")
+    excluded = set(held_out)
+    candidates = [i for i in range(len(parts)) if i not in excluded]
+    if not 1 <= count <= len(candidates):
+        raise ValueError(f"--samples {count}: choose between 1 and the {len(candidates)} training samples.")
+    return sorted(random.Random(seed).sample(candidates, count)), held_out
+
+
+def write_jsonl(path: Path, samples: list[dict]) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "w", encoding="utf-8") as handle:
+        for sample in samples:
+            handle.write(json.dumps({key: sample[key] for key in ("id", "input_ids", "loss_mask")}) + "\n")
+    os.replace(temporary, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", default=str(REPO / "data" / "smollm2-135m-instruct"), help="packed folder")
+    parser.add_argument("--out", required=True, help="folder for tokenized-*.jsonl (created)")
+    parser.add_argument("--samples", type=int, required=True, help="training chats to draw")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-part", default="regen-bf16-part2", help="part whose first chats are held out")
+    parser.add_argument("--eval-samples", type=int, default=64)
+    args = parser.parse_args(argv)
+
+    out = Path(args.out)
+    settings = {"data": str(args.data), "samples": args.samples, "seed": args.seed,
+                "eval_part": args.eval_part, "eval_samples": args.eval_samples}
+    record_path = out / RECORD
+    if record_path.is_file():
+        if json.loads(record_path.read_text())["settings"] == settings:
+            print(f"{out} already holds this subset; leaving it alone.")
+            return 0
+        sys.exit(f"offline_subset.py: error: {out} holds another subset ({record_path}); choose another --out.")
+    if out.is_dir() and any(out.glob("tokenized-*.jsonl")):
+        sys.exit(f"offline_subset.py: error: {out} holds tokenized files this script did not finish; choose another --out.")
+    dataset = PackedDataset(args.data)
+    try:
+        train, held_out = choose_subset(dataset.parts, args.samples, args.seed, args.eval_part, args.eval_samples)
+    except ValueError as error:
+        sys.exit(f"offline_subset.py: error: {error}")
+    out.mkdir(parents=True, exist_ok=True)
+    for start in range(0, len(train), SAMPLES_PER_FILE):
+        chunk = [dataset[i] for i in train[start : start + SAMPLES_PER_FILE]]
+        write_jsonl(out / f"tokenized-{start // SAMPLES_PER_FILE:05d}.jsonl", chunk)
+    write_jsonl(out / HELD_OUT_FILE, [dataset[i] for i in held_out])
+    tokens = sum(len(dataset[i]["input_ids"]) for i in train)
+    record = {"settings": settings, "train_samples": len(train), "train_tokens": tokens,
+              "held_out_ids": [dataset[i]["id"] for i in held_out], "train_ids": [dataset[i]["id"] for i in train]}
+    temporary = record_path.with_name(RECORD + ".tmp")
+    temporary.write_text(json.dumps(record))
+    os.replace(temporary, record_path)
+    print(f"Wrote {len(train)} training chats ({tokens} tokens) and {len(held_out)} held-out chats (last) to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
