@@ -252,3 +252,9 @@ def test_evaluation_logs_the_served_tau_estimate_beside_the_uniform_one(run_conf
     trainer = train_from_config(load_train_config(run_config))
     evaluations = [entry for entry in trainer.state.log_history if "eval_served_tau" in entry]
     assert evaluations and all(entry["eval_served_tau"] >= 1 and entry["eval_all_anchor_tau"] >= 1 for entry in evaluations)
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_committed_training_configs_are_valid(path):
+    config = load_train_config(path)  # every key and type checked (config_schema)
+    assert config["training"]["output_dir"].startswith("out/")  # runs write to the ignored out/ folder
