@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hf_dflash.data.packed import PackedDataset  # noqa: E402
+from hf_dflash.json_files import write_atomic, write_json_atomic  # noqa: E402
 
 RECORD = "subset.json"
 HELD_OUT_FILE = "tokenized-99999.jsonl"
@@ -51,11 +51,8 @@ def choose_subset(parts: list[str], count: int, seed: int, eval_part: str, eval_
 
 
 def write_jsonl(path: Path, samples: list[dict]) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "w", encoding="utf-8") as handle:
-        for sample in samples:
-            handle.write(json.dumps({key: sample[key] for key in ("id", "input_ids", "loss_mask")}) + "\n")
-    os.replace(temporary, path)
+    lines = (json.dumps({key: sample[key] for key in ("id", "input_ids", "loss_mask")}) + "\n" for sample in samples)
+    write_atomic(path, "".join(lines))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,9 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = sum(len(dataset[i]["input_ids"]) for i in train)
     record = {"settings": settings, "train_samples": len(train), "train_tokens": tokens,
               "held_out_ids": [dataset[i]["id"] for i in held_out], "train_ids": [dataset[i]["id"] for i in train]}
-    temporary = record_path.with_name(RECORD + ".tmp")
-    temporary.write_text(json.dumps(record))
-    os.replace(temporary, record_path)
+    write_json_atomic(record_path, record)
     print(f"Wrote {len(train)} training chats ({tokens} tokens) and {len(held_out)} held-out chats (last) to {out}")
     return 0
 
