@@ -10,6 +10,11 @@ random subset of the training chats, then the fixed held-out chats (the first `-
     python scripts/offline_subset.py --out out/offline/tokenized --samples 6000
     hf-dflash cache-features --data out/offline/tokenized --out out/offline/features --batch-size 8
 
+`--exclude DIR/subset.json` (repeatable) leaves out the training chats of earlier subsets, so a drafter
+trained further from an earlier one's weights sees only chats it has not seen (the chats neither v2's
+nor v3's subset drew: `--samples 5275 --seed 2 --exclude` both their subset.json files; a subset.json is
+re-made by running this script again with that subset's settings).
+
 Files are written under temporary names and renamed when complete; `subset.json` (written last) records
 the settings and the chosen sample ids. Re-running with the same settings leaves a finished folder alone;
 other settings on a folder that holds tokenised files are refused (choose another --out).
@@ -34,20 +39,34 @@ HELD_OUT_FILE = "tokenized-99999.jsonl"
 SAMPLES_PER_FILE = 1000
 
 
-def choose_subset(parts: list[str], count: int, seed: int, eval_part: str, eval_samples: int) -> tuple[list[int], list[int]]:
+def choose_subset(
+    parts: list[str], count: int, seed: int, eval_part: str, eval_samples: int, exclude: set[int] = frozenset()
+) -> tuple[list[int], list[int]]:
     """(training indices, held-out indices) of a packed dataset whose sample i belongs to `parts[i]`.
 
     Held out: the first `eval_samples` of `eval_part` (the fixed held-out set of the recipe comparison
-    and learning curve). Training: `count` of the others, drawn with `random.Random(seed)`, in dataset order.
+    and learning curve). Training: `count` of the others not in `exclude`, drawn with
+    `random.Random(seed)`, in dataset order.
     """
     held_out = [i for i, part in enumerate(parts) if part == eval_part][:eval_samples]
     if len(held_out) < eval_samples:
         raise ValueError(f"--eval-part {eval_part} has {len(held_out)} samples, fewer than --eval-samples {eval_samples}.")
-    excluded = set(held_out)
+    excluded = set(held_out) | set(exclude)
     candidates = [i for i in range(len(parts)) if i not in excluded]
     if not 1 <= count <= len(candidates):
         raise ValueError(f"--samples {count}: choose between 1 and the {len(candidates)} training samples.")
     return sorted(random.Random(seed).sample(candidates, count)), held_out
+
+
+def read_train_ids(path: Path) -> set[str]:
+    """The training chat ids recorded in an earlier run's `subset.json`."""
+    try:
+        ids = json.loads(path.read_text())["train_ids"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"--exclude {path}: not a readable subset.json with train_ids ({error})") from None
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise ValueError(f"--exclude {path}: train_ids must be a list of sample ids")
+    return set(ids)
 
 
 def write_jsonl(path: Path, samples: list[dict]) -> None:
@@ -63,11 +82,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-part", default="regen-bf16-part2", help="part whose first chats are held out")
     parser.add_argument("--eval-samples", type=int, default=64)
+    parser.add_argument(
+        "--exclude", action="append", default=[], metavar="SUBSET_JSON",
+        help="subset.json of an earlier subset: none of its training chats are drawn (repeatable)",
+    )
     args = parser.parse_args(argv)
 
     out = Path(args.out)
+    try:
+        excluded_ids = {path: read_train_ids(Path(path)) for path in args.exclude}
+    except ValueError as error:
+        sys.exit(f"offline_subset.py: error: {error}")
     settings = {"data": str(args.data), "samples": args.samples, "seed": args.seed,
                 "eval_part": args.eval_part, "eval_samples": args.eval_samples}
+    if excluded_ids:  # recorded only when given: folders written before --exclude keep their settings
+        settings["exclude"] = [{"path": path, "train_ids": len(ids)} for path, ids in excluded_ids.items()]
     record_path = out / RECORD
     if record_path.is_file():
         if json.loads(record_path.read_text())["settings"] == settings:
@@ -78,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"offline_subset.py: error: {out} holds tokenized files this script did not finish; choose another --out.")
     dataset = PackedDataset(args.data)
     try:
-        train, held_out = choose_subset(dataset.parts, args.samples, args.seed, args.eval_part, args.eval_samples)
+        unwanted = set().union(*excluded_ids.values())
+        exclude = {i for i, sample in enumerate(dataset.samples) if sample["id"] in unwanted}
+        train, held_out = choose_subset(dataset.parts, args.samples, args.seed, args.eval_part, args.eval_samples, exclude)
     except ValueError as error:
         sys.exit(f"offline_subset.py: error: {error}")
     out.mkdir(parents=True, exist_ok=True)

@@ -175,3 +175,31 @@ def test_offline_subset_holds_out_the_fixed_chats_last_and_refuses_other_setting
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     with pytest.raises(SystemExit, match="fewer than --eval-samples"):
         offline_subset.main(["--data", str(packed), "--out", str(tmp_path / "x"), "--samples", "4", "--eval-part", "held", "--eval-samples", "9"])
+
+
+def test_offline_subset_excludes_the_chats_of_earlier_subsets(tmp_path):
+    """`--exclude subset.json` (repeatable) draws only chats those subsets did not: a drafter trained
+    further on an earlier one's weights then sees chats it has not seen."""
+    from hf_dflash.data.packed import pack_tokenized
+    from tests.test_data import make_char_tokenizer
+    from tests.test_packed_data import SETTINGS, sample, write_tokenized
+
+    packed, tok = tmp_path / "packed", make_char_tokenizer()
+    write_tokenized(tmp_path / "a", "tokenized-00000.jsonl", [sample(i) for i in range(8)])
+    write_tokenized(tmp_path / "b", "tokenized-00000.jsonl", [sample(i, "math") for i in range(3)])
+    pack_tokenized(tmp_path / "a", packed, part="train", settings=SETTINGS, tokenizer=tok)
+    pack_tokenized(tmp_path / "b", packed, part="held", settings=SETTINGS, tokenizer=tok)
+    common = ["--data", str(packed), "--eval-part", "held", "--eval-samples", "2"]
+    assert offline_subset.main([*common, "--out", str(tmp_path / "first"), "--samples", "3"]) == 0
+    first = json.loads((tmp_path / "first" / "subset.json").read_text())
+    assert offline_subset.main([*common, "--out", str(tmp_path / "second"), "--samples", "3", "--seed", "1",
+                                "--exclude", str(tmp_path / "first" / "subset.json")]) == 0
+    second = json.loads((tmp_path / "second" / "subset.json").read_text())
+    assert not set(second["train_ids"]) & set(first["train_ids"])
+    assert second["settings"]["exclude"] == [{"path": str(tmp_path / "first" / "subset.json"), "train_ids": 3}]
+    # 9 chats outside the held-out 2, 3 excluded: 6 left, and asking for more names what is left.
+    with pytest.raises(SystemExit, match="the 6 training samples"):
+        offline_subset.main([*common, "--out", str(tmp_path / "third"), "--samples", "7",
+                             "--exclude", str(tmp_path / "first" / "subset.json")])
+    with pytest.raises(SystemExit, match="--exclude .*missing.json"):
+        offline_subset.main([*common, "--out", str(tmp_path / "fourth"), "--samples", "2", "--exclude", str(tmp_path / "missing.json")])
