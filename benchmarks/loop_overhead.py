@@ -145,8 +145,14 @@ def instrument_glue(target) -> GlueTimers:
 
     glue = GlueTimers()
     decoding = dflash_decoding_module
-    for name in ("_prepare_attention_mask", "_prepare_token_type_ids", "_prepare_position_ids",
-                 "process_block_logits", "greedy_accept", "count_until_stop"):
+    for name in (
+        "_prepare_attention_mask",
+        "_prepare_token_type_ids",
+        "_prepare_position_ids",
+        "process_block_logits",
+        "greedy_accept",
+        "count_until_stop",
+    ):
         glue.wrap(decoding, name, f"decoding.{name}")
     glue.wrap(decoding.copy, "copy", "decoding: copy.copy(model_kwargs)")
     for name in ("target_layer_features", "process_draft_logits"):
@@ -180,10 +186,19 @@ def glue_breakdown(target, drafter, inputs, max_new_tokens: int, timers: dict[st
     # Prefill: the first get_candidates returns at once; everything else scales with rounds.
     drafter_ms, head_ms = mean(run.drafter_ms), mean(run.draft_head_ms)
     overhead = mean(run.round_ms) - drafter_ms - mean(run.target_ms)
-    candidates_inline = per_round.get("get_candidates (total)", 0.0) - drafter_ms - head_ms - sum(
-        per_round.get(k, 0.0)
-        for k in ("candidate_generator.target_layer_features", "candidate_generator.process_draft_logits",
-                  "DFlashCache.crop (drafter)", "DFlashCache.set_previous_accepted_tokens")
+    candidates_inline = (
+        per_round.get("get_candidates (total)", 0.0)
+        - drafter_ms
+        - head_ms
+        - sum(
+            per_round.get(k, 0.0)
+            for k in (
+                "candidate_generator.target_layer_features",
+                "candidate_generator.process_draft_logits",
+                "DFlashCache.crop (drafter)",
+                "DFlashCache.set_previous_accepted_tokens",
+            )
+        )
     )
     helpers = {k: v for k, v in per_round.items() if k != "get_candidates (total)"}
     named = sum(helpers.values()) + head_ms + candidates_inline
@@ -241,9 +256,9 @@ def converge_reference(forced: ForcedDrafts, target, drafter, inputs, max_new_to
     forced.reference = start
     for iteration in range(1, 6):
         with torch.inference_mode():
-            output = target.generate(
-                **inputs, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False
-            )[0]
+            output = target.generate(**inputs, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False)[
+                0
+            ]
         if torch.equal(output, forced.reference):
             return iteration
         forced.reference = output
@@ -452,8 +467,10 @@ def main(argv: list[str] | None = None) -> int:
         "embedding": ForwardTimer(target.get_input_embeddings(), skip_while=target_timer).attach(),
     }
 
-    print(f"prompt {inputs['input_ids'].shape[1]} tokens, {args.threads} threads, {describe_dtype(args.dtype)}, "
-          f"drafter {args.draft_layers} layers block {args.block_size}; load average {os.getloadavg()}")
+    print(
+        f"prompt {inputs['input_ids'].shape[1]} tokens, {args.threads} threads, {describe_dtype(args.dtype)}, "
+        f"drafter {args.draft_layers} layers block {args.block_size}; load average {os.getloadavg()}"
+    )
     run_dflash(target, drafter, inputs, args.max_new_tokens, timers)  # warm-up
     _, plain_warm = run_plain(target, inputs, args.max_new_tokens, target_timer)
     forced = None

@@ -43,7 +43,11 @@ def walk(tokens: list[int], prompt_length: int, draft: Callable[[list[int]], lis
     while position < len(tokens):
         drafts = draft(tokens[:position])
         accepted = 0
-        while accepted < len(drafts) and position + accepted < len(tokens) and drafts[accepted] == tokens[position + accepted]:
+        while (
+            accepted < len(drafts)
+            and position + accepted < len(tokens)
+            and drafts[accepted] == tokens[position + accepted]
+        ):
             accepted += 1
         step = min(accepted + 1, len(tokens) - position)
         rounds, committed, position = rounds + 1, committed + step, position + step
@@ -73,7 +77,9 @@ def main() -> None:
     m = args.num_tokens
     rules = {"transformers first n<=2": lambda tokens: first_occurrence(tokens, 2, m)}
     for cap in CAPS:
-        rules[f"latest longest n<={cap}"] = lambda tokens, cap=cap: ngram_continuation(torch.tensor(tokens), cap, m).tolist()
+        rules[f"latest longest n<={cap}"] = lambda tokens, cap=cap: ngram_continuation(
+            torch.tensor(tokens), cap, m
+        ).tolist()
     table = {}
     for rule, draft in rules.items():
         per_set: dict[str, list[float]] = {}

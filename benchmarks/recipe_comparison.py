@@ -28,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from train_on_gpu import parse_variant  # noqa: E402  (the one grammar of a variant spec)
+
 BASE = 'num_hidden_layers=2,draft_vocab_size=8192,training.dataloader_num_workers=0,training.eval_strategy="no"'
 # Depth, draft vocabulary, block size, initialisation, distillation, one learning-curve point (250
 # chats: several epochs in the budget instead of a fraction of one), and v1 continued on the new data.
@@ -50,7 +51,7 @@ def parse_name(spec: str) -> str:
 
 
 def with_base(spec: str, base: str) -> str:
-    """"NAME:overrides" with `base` first (a later key overrides an earlier one in train_on_gpu). A
+    """ "NAME:overrides" with `base` first (a later key overrides an earlier one in train_on_gpu). A
     variant that starts from a saved drafter (init_from) keeps its architecture: only the base's
     training./data. keys apply to it."""
     name, _, items = spec.partition(":")
@@ -87,9 +88,19 @@ def score_heldout(drafters: list[str], args: argparse.Namespace, out_json: Path)
     """`benchmarks/heldout_tau.py` on `drafters` (all cores): its row per drafter folder, by folder."""
     subprocess.run(
         [
-            sys.executable, str(ROOT / "benchmarks" / "heldout_tau.py"), *drafters,
-            "--data", args.data, "--eval-part", args.eval_part, "--samples", str(args.samples),
-            "--threads", str(os.cpu_count() or 1), "--out", str(out_json),
+            sys.executable,
+            str(ROOT / "benchmarks" / "heldout_tau.py"),
+            *drafters,
+            "--data",
+            args.data,
+            "--eval-part",
+            args.eval_part,
+            "--samples",
+            str(args.samples),
+            "--threads",
+            str(os.cpu_count() or 1),
+            "--out",
+            str(out_json),
         ],  # fmt: skip
         check=True,
     )
@@ -136,7 +147,9 @@ def main() -> None:
     add_run_arguments(parser, out_dir="out/recipe", base=BASE)
     parser.add_argument("--train-seconds", type=float, default=720, help="wall-clock budget per variant")
     parser.add_argument("--calibration-steps", type=int, default=16)
-    parser.add_argument("--variant", action="append", default=None, help="NAME:key=value,... (default: the built-in list)")
+    parser.add_argument(
+        "--variant", action="append", default=None, help="NAME:key=value,... (default: the built-in list)"
+    )
     parser.add_argument("--json", default="out/recipe_comparison.json")
     args = parser.parse_args()
     args.out_dir = Path(args.out_dir)

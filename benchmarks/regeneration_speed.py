@@ -44,7 +44,11 @@ METHODS = {"static": "static generate batches", "continuous": "continuous batchi
 
 
 def static_batches(model, prompts, batch_size, **kwargs):
-    return [reply for s in range(0, len(prompts), batch_size) for reply in generate_replies(model, prompts[s : s + batch_size], temperature=0.0, **kwargs)]
+    return [
+        reply
+        for s in range(0, len(prompts), batch_size)
+        for reply in generate_replies(model, prompts[s : s + batch_size], temperature=0.0, **kwargs)
+    ]
 
 
 def main() -> None:
@@ -63,7 +67,9 @@ def main() -> None:
     methods = args.methods.split(",")
     unknown = sorted(set(methods) - set(METHODS))
     if unknown or any(size < 1 for size in batch_sizes):
-        parser.error(f"--methods must come from {','.join(METHODS)} and --batch-sizes be positive, got {args.methods!r}, {args.batch_sizes!r}")
+        parser.error(
+            f"--methods must come from {','.join(METHODS)} and --batch-sizes be positive, got {args.methods!r}, {args.batch_sizes!r}"
+        )
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
@@ -81,8 +87,19 @@ def main() -> None:
             replies = runs[method](size)
             seconds = time.perf_counter() - start
             tokens = sum(map(len, replies))
-            rows.append({"method": METHODS[method], "batch_size": size, "reply_tokens": tokens, "seconds": round(seconds, 1), "tokens_per_s": round(tokens / seconds, 1)})
-            print(f"{METHODS[method]:>24} batch {size:>3}: {tokens} reply tokens in {seconds:.1f} s = {tokens / seconds:.1f} tok/s", flush=True)
+            rows.append(
+                {
+                    "method": METHODS[method],
+                    "batch_size": size,
+                    "reply_tokens": tokens,
+                    "seconds": round(seconds, 1),
+                    "tokens_per_s": round(tokens / seconds, 1),
+                }
+            )
+            print(
+                f"{METHODS[method]:>24} batch {size:>3}: {tokens} reply tokens in {seconds:.1f} s = {tokens / seconds:.1f} tok/s",
+                flush=True,
+            )
     slowest = min(row["tokens_per_s"] for row in rows)
     for row in rows:
         row["speedup_over_slowest"] = round(row["tokens_per_s"] / slowest, 2)

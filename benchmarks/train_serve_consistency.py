@@ -34,8 +34,12 @@ def serve(target, drafter, sample: dict) -> tuple[list[int], bool]:
     rounds, reproduced = [], True
     for start, end in reply_spans(sample["loss_mask"]):
         out = target.generate(
-            ids[:, :start], attention_mask=torch.ones(1, start, dtype=torch.long), do_sample=False,
-            max_new_tokens=end - start, assistant_model=drafter, eos_token_id=None,
+            ids[:, :start],
+            attention_mask=torch.ones(1, start, dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=end - start,
+            assistant_model=drafter,
+            eos_token_id=None,
             pad_token_id=target.generation_config.pad_token_id or 0,
         )
         reproduced &= torch.equal(out[0, start:end], ids[0, start:end])
@@ -65,10 +69,21 @@ def main() -> None:
         estimate = served_tau_estimate(drafter, target, [sample])
         rounds, reproduced = serve(target, drafter, sample)
         served = sum(rounds) / len(rounds)
-        rows.append({"id": sample["id"], "uniform": estimate.uniform_tau, "walk": estimate.served_tau,
-                     "served": served, "walk_rounds": estimate.rounds, "served_rounds": rounds, "reproduced": reproduced})
-        print(f"{sample['id'][:28]:>28} {estimate.uniform_tau:>8.3f} {estimate.served_tau:>6.3f} {served:>7.3f} "
-              f"{len(rounds):>7} {'yes' if reproduced else 'NO'}")
+        rows.append(
+            {
+                "id": sample["id"],
+                "uniform": estimate.uniform_tau,
+                "walk": estimate.served_tau,
+                "served": served,
+                "walk_rounds": estimate.rounds,
+                "served_rounds": rounds,
+                "reproduced": reproduced,
+            }
+        )
+        print(
+            f"{sample['id'][:28]:>28} {estimate.uniform_tau:>8.3f} {estimate.served_tau:>6.3f} {served:>7.3f} "
+            f"{len(rounds):>7} {'yes' if reproduced else 'NO'}"
+        )
     same = [row for row in rows if row["reproduced"]]
 
     def pooled(key_rounds: str) -> float:
@@ -78,11 +93,21 @@ def main() -> None:
     uniform = sum(row["uniform"] for row in same) / max(len(same), 1)
     walk, served = pooled("walk_rounds"), pooled("served_rounds")
     identical = sum(row["walk_rounds"] == row["served_rounds"] for row in same)
-    print(f"reproduced {len(same)}/{len(rows)} chats: uniform-anchor τ {uniform:.3f} | walk estimate {walk:.3f} | "
-          f"served {served:.3f} | gap {100 * (walk - served) / served:+.2f}% | identical round lists {identical}/{len(same)}")
-    result = {"settings": vars(args), "samples": rows,
-              "overall": {"reproduced": len(same), "uniform_tau": uniform, "walk_tau": walk, "served_tau": served,
-                          "identical_round_lists": identical}}
+    print(
+        f"reproduced {len(same)}/{len(rows)} chats: uniform-anchor τ {uniform:.3f} | walk estimate {walk:.3f} | "
+        f"served {served:.3f} | gap {100 * (walk - served) / served:+.2f}% | identical round lists {identical}/{len(same)}"
+    )
+    result = {
+        "settings": vars(args),
+        "samples": rows,
+        "overall": {
+            "reproduced": len(same),
+            "uniform_tau": uniform,
+            "walk_tau": walk,
+            "served_tau": served,
+            "identical_round_lists": identical,
+        },
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 

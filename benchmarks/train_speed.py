@@ -57,7 +57,9 @@ def run_mode(mode: str, workdir: Path, steps: int, batch_size: int, num_anchors:
 
     settings = MODES[mode]
     target, tokenizer = load_target("smollm2-135m-instruct", dtype=settings["target_dtype"])
-    config = DFlashConfig.from_target_config(target.config, num_hidden_layers=layers, block_size=16, tokenizer=tokenizer)
+    config = DFlashConfig.from_target_config(
+        target.config, num_hidden_layers=layers, block_size=16, tokenizer=tokenizer
+    )
     drafter = DFlashDraftModel(config)
     if settings["feature_mode"] == "offline":
         dataset = OfflineFeatureDataset(
@@ -66,9 +68,19 @@ def run_mode(mode: str, workdir: Path, steps: int, batch_size: int, num_anchors:
     else:
         dataset = TokenizedDataset(workdir / "tokenized")
     args = DFlashTrainingArguments(
-        output_dir=str(workdir / f"run-{mode}"), block_size=16, num_anchors=num_anchors, max_steps=steps + 1,
-        per_device_train_batch_size=batch_size, feature_mode=settings["feature_mode"], bf16=settings["bf16"],
-        use_cpu=True, report_to=[], save_strategy="no", logging_steps=1000, disable_tqdm=True, seed=0,
+        output_dir=str(workdir / f"run-{mode}"),
+        block_size=16,
+        num_anchors=num_anchors,
+        max_steps=steps + 1,
+        per_device_train_batch_size=batch_size,
+        feature_mode=settings["feature_mode"],
+        bf16=settings["bf16"],
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1000,
+        disable_tqdm=True,
+        seed=0,
     )
     trainer = DFlashTrainer(drafter, args, target=target, train_dataset=dataset)
     clock = {}
@@ -111,8 +123,8 @@ def main() -> None:
 
     workdir = Path(tempfile.mkdtemp(prefix="dflash-train-speed-"))
     tokens = write_tokenized(workdir / "tokenized", args.samples, args.max_length)
-    from hf_dflash.models import load_target
     from hf_dflash.modeling_dflash import default_target_layer_ids
+    from hf_dflash.models import load_target
     from hf_dflash.trainer import cache_features
 
     target, _ = load_target("smollm2-135m-instruct")
@@ -140,7 +152,9 @@ def main() -> None:
     }
     print(f"{'mode':<14}{'s/step':>9}{'tokens/s':>11}{'peak RSS GiB':>14}")
     for row in results:
-        print(f"{row['mode']:<14}{row['seconds_per_step']:>9.2f}{row['tokens_per_second']:>11.1f}{row['peak_rss_gib']:>14.2f}")
+        print(
+            f"{row['mode']:<14}{row['seconds_per_step']:>9.2f}{row['tokens_per_second']:>11.1f}{row['peak_rss_gib']:>14.2f}"
+        )
     print(f"offline cache: {report['offline_cache']['gb_per_million_tokens']:.2f} GB per million tokens (bf16)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))

@@ -278,7 +278,8 @@ def save_official(
     out.mkdir(parents=True, exist_ok=True)
     target_dtype = _as_dtype(dtype) or model.dtype
     state_dict = {
-        key: tensor.detach().to(device="cpu", dtype=target_dtype if tensor.is_floating_point() else tensor.dtype)
+        key: tensor.detach()
+        .to(device="cpu", dtype=target_dtype if tensor.is_floating_point() else tensor.dtype)
         .contiguous()
         .clone()
         for key, tensor in model.state_dict().items()
@@ -431,7 +432,10 @@ def drafter_from_model(model: torch.nn.Module) -> DFlashDraftModel:
         kwargs = dflash_kwargs_from_official({"model_type": "qwen3", **config}, source)
     parameter = next(model.parameters(), None)
     return _build_drafter(
-        kwargs, state_dict, type(model).__name__, dtype=parameter.dtype if parameter is not None else "auto",
+        kwargs,
+        state_dict,
+        type(model).__name__,
+        dtype=parameter.dtype if parameter is not None else "auto",
         device=parameter.device if parameter is not None else None,
     )
 

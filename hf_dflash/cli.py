@@ -136,7 +136,9 @@ def _layer_ids(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 1,8,14,20,27, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, e.g. 1,8,14,20,27, got {text!r}"
+        ) from None
 
 
 def register_cache_features(subparsers) -> None:
@@ -156,9 +158,7 @@ def register_cache_features(subparsers) -> None:
         default=None,
         help="0-based target layers, e.g. 1,8,14,20,27 (default: 5 layers spread as in the DFlash recipe)",
     )
-    parser.add_argument(
-        "--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="storage dtype"
-    )
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="storage dtype")
     parser.add_argument(
         "--target-dtype",
         default="auto",
@@ -241,7 +241,9 @@ def register_prepare_data(subparsers) -> None:
     parser.add_argument("--max-prompts", type=int, default=None, help="keep at most N prompts (seeded random choice)")
     parser.add_argument("--target", default="smollm2-135m-instruct", help="a known target (default: %(default)s)")
     _add_dtype_argument(parser, "target dtype for regeneration")
-    parser.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy (default), > 0 samples")
+    parser.add_argument(
+        "--temperature", type=_non_negative_float, default=0.0, help="0 = greedy (default), > 0 samples"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=512, help="reply length limit (default: %(default)s)")
     parser.add_argument(
         "--batch-size",
@@ -250,7 +252,10 @@ def register_prepare_data(subparsers) -> None:
         help="rows decoded at once (continuous batching for greedy; default: %(default)s, the fastest measured on a 2-core CPU)",
     )
     parser.add_argument(
-        "--shard-size", type=int, default=DEFAULT_REGENERATION_SHARD, help="prompts per response shard (default: %(default)s)"
+        "--shard-size",
+        type=int,
+        default=DEFAULT_REGENERATION_SHARD,
+        help="prompts per response shard (default: %(default)s)",
     )
     parser.add_argument("--max-length", type=int, default=3072, help="sample length limit (default: %(default)s)")
     parser.add_argument(
@@ -265,6 +270,7 @@ def register_prepare_data(subparsers) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="shuffle and sampling seed (default: %(default)s)")
     parser.set_defaults(func=_run_prepare_data)
+
 
 def _run_train(args: argparse.Namespace) -> int:
     from .trainer.train import load_train_config, train_from_config
@@ -424,7 +430,9 @@ def register_bench(subparsers) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256, help="per answer (turn) (default: %(default)s)")
     _add_dtype_argument(parser, "target and drafter dtype")
     parser.add_argument(
-        "--temperature", type=_non_negative_float, default=0.0,
+        "--temperature",
+        type=_non_negative_float,
+        default=0.0,
         help="0 = greedy (default); > 0 samples (seeded, no identity check)",
     )
     parser.add_argument("--seed", type=int, default=0, help="prompt sampling, sampling and random drafter seed")
@@ -458,7 +466,7 @@ def register_generate(subparsers) -> None:
     parser = subparsers.add_parser(
         "generate",
         help="answer a JSONL of prompts in batches with DFlash (batched speculative decoding)",
-        description="Greedy answers for every line of a JSONL prompt file ({\"prompt\": ...} or {\"messages\": [...]}), "
+        description='Greedy answers for every line of a JSONL prompt file ({"prompt": ...} or {"messages": [...]}), '
         "left-padded in batches; prints throughput (new tokens summed over rows per second) and τ.",
     )
     parser.add_argument("--prompts", required=True, help="JSONL prompt file")
@@ -491,8 +499,10 @@ def _run_pack_data(args: argparse.Namespace) -> int:
             continue
         config = Path(folder) / "config.json"
         if not config.is_file():
-            raise ValueError(f"{config} does not exist: --{key if key != 'regeneration' else 'responses'} must be a "
-                             "folder written by hf-dflash prepare-data (it records its settings in config.json).")
+            raise ValueError(
+                f"{config} does not exist: --{key if key != 'regeneration' else 'responses'} must be a "
+                "folder written by hf-dflash prepare-data (it records its settings in config.json)."
+            )
         settings[key] = json.loads(config.read_text())
     if args.note:
         settings["note"] = args.note
@@ -501,11 +511,19 @@ def _run_pack_data(args: argparse.Namespace) -> int:
     if not folder.is_dir():
         load_target(args.target)  # converts the target once, which also writes its tokenizer
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    manifest = pack_tokenized(args.tokenized, args.out, part=args.part, settings=settings, tokenizer=tokenizer,
-                              samples_per_shard=args.samples_per_shard)
+    manifest = pack_tokenized(
+        args.tokenized,
+        args.out,
+        part=args.part,
+        settings=settings,
+        tokenizer=tokenizer,
+        samples_per_shard=args.samples_per_shard,
+    )
     totals = manifest["totals"]
-    print(f"{args.out}: {len(manifest['shards'])} shards, {totals.get('samples', 0)} samples, "
-          f"{totals.get('supervised_tokens', 0)} supervised tokens; per source {totals.get('per_source', {})}")
+    print(
+        f"{args.out}: {len(manifest['shards'])} shards, {totals.get('samples', 0)} samples, "
+        f"{totals.get('supervised_tokens', 0)} supervised tokens; per source {totals.get('per_source', {})}"
+    )
     return 0
 
 
@@ -523,7 +541,9 @@ def register_pack_data(subparsers) -> None:
     parser.add_argument("--responses", default=None, help="the run's responses/ folder (its settings are recorded)")
     parser.add_argument("--corpus", default=None, help="the run's corpus/ folder (its settings are recorded)")
     parser.add_argument("--note", default=None, help="free text recorded with the part (machine, command)")
-    parser.add_argument("--target", default="smollm2-135m-instruct", help="the known target whose tokenizer made the ids")
+    parser.add_argument(
+        "--target", default="smollm2-135m-instruct", help="the known target whose tokenizer made the ids"
+    )
     parser.add_argument("--samples-per-shard", type=int, default=2048, help="samples per packed shard (default: 2048)")
     parser.set_defaults(func=_run_pack_data)
 

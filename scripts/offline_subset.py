@@ -50,7 +50,9 @@ def choose_subset(
     """
     held_out = [i for i, part in enumerate(parts) if part == eval_part][:eval_samples]
     if len(held_out) < eval_samples:
-        raise ValueError(f"--eval-part {eval_part} has {len(held_out)} samples, fewer than --eval-samples {eval_samples}.")
+        raise ValueError(
+            f"--eval-part {eval_part} has {len(held_out)} samples, fewer than --eval-samples {eval_samples}."
+        )
     excluded = set(held_out) | set(exclude)
     candidates = [i for i in range(len(parts)) if i not in excluded]
     if not 1 <= count <= len(candidates):
@@ -83,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-part", default="regen-bf16-part2", help="part whose first chats are held out")
     parser.add_argument("--eval-samples", type=int, default=64)
     parser.add_argument(
-        "--exclude", action="append", default=[], metavar="SUBSET_JSON",
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="SUBSET_JSON",
         help="subset.json of an earlier subset: none of its training chats are drawn (repeatable)",
     )
     args = parser.parse_args(argv)
@@ -93,8 +98,13 @@ def main(argv: list[str] | None = None) -> int:
         excluded_ids = {path: read_train_ids(Path(path)) for path in args.exclude}
     except ValueError as error:
         sys.exit(f"offline_subset.py: error: {error}")
-    settings = {"data": str(args.data), "samples": args.samples, "seed": args.seed,
-                "eval_part": args.eval_part, "eval_samples": args.eval_samples}
+    settings = {
+        "data": str(args.data),
+        "samples": args.samples,
+        "seed": args.seed,
+        "eval_part": args.eval_part,
+        "eval_samples": args.eval_samples,
+    }
     if excluded_ids:  # recorded only when given: folders written before --exclude keep their settings
         settings["exclude"] = [{"path": path, "train_ids": len(ids)} for path, ids in excluded_ids.items()]
     record_path = out / RECORD
@@ -104,12 +114,16 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         sys.exit(f"offline_subset.py: error: {out} holds another subset ({record_path}); choose another --out.")
     if out.is_dir() and any(out.glob("tokenized-*.jsonl")):
-        sys.exit(f"offline_subset.py: error: {out} holds tokenized files this script did not finish; choose another --out.")
+        sys.exit(
+            f"offline_subset.py: error: {out} holds tokenized files this script did not finish; choose another --out."
+        )
     dataset = PackedDataset(args.data)
     try:
         unwanted = set().union(*excluded_ids.values())
         exclude = {i for i, sample in enumerate(dataset.samples) if sample["id"] in unwanted}
-        train, held_out = choose_subset(dataset.parts, args.samples, args.seed, args.eval_part, args.eval_samples, exclude)
+        train, held_out = choose_subset(
+            dataset.parts, args.samples, args.seed, args.eval_part, args.eval_samples, exclude
+        )
     except ValueError as error:
         sys.exit(f"offline_subset.py: error: {error}")
     out.mkdir(parents=True, exist_ok=True)
@@ -118,8 +132,13 @@ def main(argv: list[str] | None = None) -> int:
         write_jsonl(out / f"tokenized-{start // SAMPLES_PER_FILE:05d}.jsonl", chunk)
     write_jsonl(out / HELD_OUT_FILE, [dataset[i] for i in held_out])
     tokens = sum(len(dataset[i]["input_ids"]) for i in train)
-    record = {"settings": settings, "train_samples": len(train), "train_tokens": tokens,
-              "held_out_ids": [dataset[i]["id"] for i in held_out], "train_ids": [dataset[i]["id"] for i in train]}
+    record = {
+        "settings": settings,
+        "train_samples": len(train),
+        "train_tokens": tokens,
+        "held_out_ids": [dataset[i]["id"] for i in held_out],
+        "train_ids": [dataset[i]["id"] for i in train],
+    }
     write_json_atomic(record_path, record)
     print(f"Wrote {len(train)} training chats ({tokens} tokens) and {len(held_out)} held-out chats (last) to {out}")
     return 0

@@ -125,7 +125,7 @@ def tokenize(args: argparse.Namespace) -> Path:
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, dict]]:
-    """"NAME:key=value,training.key=value,data.key=value" -> (NAME, {"drafter": {...}, "training": {...},
+    """ "NAME:key=value,training.key=value,data.key=value" -> (NAME, {"drafter": {...}, "training": {...},
     "data": {...}}); a bare key is a drafter (DFlashConfig) field; values are JSON (true, 8192, "kl")."""
     name, _, items = spec.partition(":")
     sections: dict[str, dict] = {"drafter": {}, "training": {}, "data": {}}
@@ -293,7 +293,9 @@ def main() -> None:
     parser.add_argument("--train-batch-size", type=int, default=32)
     parser.add_argument("--eval-samples", type=int, default=64)
     parser.add_argument(
-        "--eval-part", default=None, help="with --data: hold out the first --eval-samples of this part (fixed as data grows)"
+        "--eval-part",
+        default=None,
+        help="with --data: hold out the first --eval-samples of this part (fixed as data grows)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -326,8 +328,16 @@ def main() -> None:
     processes = [
         subprocess.Popen(
             [
-                sys.executable, __file__, "train-variant", *forwarded(args), "--variant", spec,
-                "--deadline", str(deadline), "--memory-fraction", str(0.9 / len(variants)),
+                sys.executable,
+                __file__,
+                "train-variant",
+                *forwarded(args),
+                "--variant",
+                spec,
+                "--deadline",
+                str(deadline),
+                "--memory-fraction",
+                str(0.9 / len(variants)),
             ]  # fmt: skip
         )
         for spec in variants

@@ -1,5 +1,8 @@
 """Shared tiny models for the tests (hidden 32, vocab 128, millisecond forwards)."""
 
+import importlib.util as _importlib_util
+import os as _os
+
 import pytest
 import torch
 from transformers import (
@@ -97,9 +100,6 @@ def tiny_target():
 # `load_target(...)` in the session (any dtype) reads that cache in well under a second. Set
 # HF_DFLASH_TEST_CACHE to a persistent folder to reuse one conversion across sessions.
 # Tests using these fixtures fail with the install command when the package is missing.
-
-import importlib.util as _importlib_util
-import os as _os
 
 
 @pytest.fixture(scope="session")

@@ -20,8 +20,13 @@ def main(out_file: str, per_device_batch: int) -> None:
     target = make_target("llama")
     drafter = make_drafter(target, block_size=BLOCK)
     args = arguments(
-        Path(out_file).parent / "run", max_steps=1, num_anchors=64, optim="sgd", learning_rate=1.0,
-        per_device_train_batch_size=per_device_batch, dataloader_drop_last=False,
+        Path(out_file).parent / "run",
+        max_steps=1,
+        num_anchors=64,
+        optim="sgd",
+        learning_rate=1.0,
+        per_device_train_batch_size=per_device_batch,
+        dataloader_drop_last=False,
     )
     trainer = DFlashTrainer(drafter, args, target=target, train_dataset=samples(count=2))
     trainer.train()

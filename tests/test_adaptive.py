@@ -63,7 +63,9 @@ def test_acceptance_probabilities_shrink_toward_prior_then_previous_slot():
     p2 = (0 + p1) / Fraction(3, 2)
     p3 = p2  # never tried: exactly the slot before
     torch.testing.assert_close(p, tensor([[float(p0), float(p1), float(p2), float(p3)]]))
-    fresh = acceptance_probabilities(torch.zeros(3, 5, dtype=torch.float64), torch.zeros(3, 5, dtype=torch.float64), 0.7, 2.0)
+    fresh = acceptance_probabilities(
+        torch.zeros(3, 5, dtype=torch.float64), torch.zeros(3, 5, dtype=torch.float64), 0.7, 2.0
+    )
     assert torch.allclose(fresh, torch.full((3, 5), 0.7, dtype=torch.float64))  # no evidence: the prior
 
 
@@ -114,9 +116,14 @@ def test_cost_model_interpolates_block_lengths_and_rows():
 
 @pytest.mark.parametrize(
     "lengths, seconds, match",
-    [((2, 4), {1: (1.0, 2.0)}, "increase from 1"), ((1, 1), {1: (1.0, 2.0)}, "increase from 1"),
-     ((1, 4), {1: (1.0,)}, "2 positive seconds"), ((1, 4), {1: (1.0, -2.0)}, "positive"), ((1, 4), {}, "empty"),
-     ((1, 4), {0: (1.0, 2.0)}, "row counts")],
+    [
+        ((2, 4), {1: (1.0, 2.0)}, "increase from 1"),
+        ((1, 1), {1: (1.0, 2.0)}, "increase from 1"),
+        ((1, 4), {1: (1.0,)}, "2 positive seconds"),
+        ((1, 4), {1: (1.0, -2.0)}, "positive"),
+        ((1, 4), {}, "empty"),
+        ((1, 4), {0: (1.0, 2.0)}, "row counts"),
+    ],
 )
 def test_cost_model_rejects_malformed_tables(lengths, seconds, match):
     with pytest.raises(ValueError, match=match):
@@ -223,7 +230,9 @@ def test_schedule_returning_an_invalid_block_size_is_refused(bad, batch):
     drafter = make_drafter(target, block_size=4)
     drafter.block_size_policy = lambda round_index: 3 if round_index < 2 else bad
     with pytest.raises(ValueError, match=rf"schedule returned {bad!r} for round 2; .* 1 <= k <= 4"):
-        target.generate(torch.tensor([[5, 6, 7]] * batch), max_new_tokens=20, eos_token_id=None, assistant_model=drafter)
+        target.generate(
+            torch.tensor([[5, 6, 7]] * batch), max_new_tokens=20, eos_token_id=None, assistant_model=drafter
+        )
 
 
 def test_invalid_adaptive_settings():
@@ -284,8 +293,14 @@ def free_batch(arch: str, max_new_tokens: int = 36):
     """(target, left-padded batch of 4, its mask, plain batched greedy without EOS)."""
     target = make_target(arch)
     input_ids, attention_mask = random_batch(torch.Generator().manual_seed(len(arch)), 4)
-    free = target.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=max_new_tokens,
-                           eos_token_id=None, pad_token_id=PAD)
+    free = target.generate(
+        input_ids,
+        attention_mask=attention_mask,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=None,
+        pad_token_id=PAD,
+    )
     return target, input_ids, attention_mask, free
 
 
@@ -312,7 +327,10 @@ def test_random_schedule_matches_plain_batched_greedy(arch, block_size):
     replace = torch.rand(greedy.shape, generator=noise) < 0.3
     greedy[replace] = torch.randint(3, VOCAB, (int(replace.sum()),), generator=noise)
     oracle = OracleDrafter(
-        drafter.config, target.get_output_embeddings().weight, greedy, embedding_weight=target.get_input_embeddings().weight
+        drafter.config,
+        target.get_output_embeddings().weight,
+        greedy,
+        embedding_weight=target.get_input_embeddings().weight,
     ).eval()
     oracle.block_size_policy = random_schedule(block_size, seed=block_size + 1)
     actual = target.generate(input_ids, max_new_tokens=19, eos_token_id=None, assistant_model=oracle, **kwargs)
@@ -330,7 +348,9 @@ def test_fixed_shorter_block_and_sliding_window_target(policy):
     from tests.conftest import COMMON
 
     torch.manual_seed(0)
-    target = MistralForCausalLM(MistralConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=6)).eval()
+    target = MistralForCausalLM(
+        MistralConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=6)
+    ).eval()
     drafter = make_drafter(target, block_size=8)
     drafter.block_size_policy = policy
     prompt = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(8))
@@ -397,8 +417,15 @@ def test_batched_rows_give_the_drafter_each_committed_token_once_in_order():
     drafter.block_size_policy = random_schedule(5, seed=4)
     calls, handle = record_drafter_calls(drafter)
     try:
-        output = target.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=30,
-                                 eos_token_id=None, pad_token_id=PAD, assistant_model=drafter)
+        output = target.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            do_sample=False,
+            max_new_tokens=30,
+            eos_token_id=None,
+            pad_token_id=PAD,
+            assistant_model=drafter,
+        )
     finally:
         handle.remove()
     assert torch.equal(output, free[:, : input_ids.shape[1] + 30])
@@ -424,7 +451,9 @@ def test_batched_rows_give_the_drafter_each_committed_token_once_in_order():
 def test_adaptive_policy_converges_to_full_blocks_with_an_oracle_and_short_ones_with_a_random_drafter():
     target, prompt, free = free_run("llama")
     cost_model = CostModel.from_function(LINEAR_COST, 8)
-    oracle = OracleDrafter(make_drafter(target, block_size=8).config, target.get_output_embeddings().weight, free).eval()
+    oracle = OracleDrafter(
+        make_drafter(target, block_size=8).config, target.get_output_embeddings().weight, free
+    ).eval()
     oracle.block_size_policy = AdaptiveBlockSize(cost_model=cost_model)
     output = target.generate(prompt, do_sample=False, max_new_tokens=33, eos_token_id=None, assistant_model=oracle)
     assert torch.equal(output, free[:, : prompt.shape[1] + 33])
@@ -440,7 +469,9 @@ def test_adaptive_policy_converges_to_full_blocks_with_an_oracle_and_short_ones_
 
 def test_adaptive_policy_in_batched_generation():
     target, input_ids, attention_mask, free = free_batch("qwen2")
-    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=36, eos_token_id=None, pad_token_id=PAD)
+    kwargs = dict(
+        attention_mask=attention_mask, do_sample=False, max_new_tokens=36, eos_token_id=None, pad_token_id=PAD
+    )
     drafter = make_drafter(target, block_size=8)
     drafter.block_size_policy = AdaptiveBlockSize(cost_model=CostModel.from_function(LINEAR_COST, 8))
     assert torch.equal(target.generate(input_ids, assistant_model=drafter, **kwargs), free)
@@ -449,7 +480,7 @@ def test_adaptive_policy_in_batched_generation():
 
 
 def test_adaptive_with_measured_cost_model(tmp_path, monkeypatch):
-    """"adaptive" measures the real models once and caches the result under $HF_DFLASH_CACHE."""
+    """ "adaptive" measures the real models once and caches the result under $HF_DFLASH_CACHE."""
     monkeypatch.setenv("HF_DFLASH_CACHE", str(tmp_path))
     target, prompt, free = free_run("qwen3")
     drafter = make_drafter(target, block_size=4)
@@ -475,8 +506,15 @@ def test_sampling_with_random_schedule_preserves_target_distribution():
     torch.manual_seed(0)
     counts = torch.zeros_like(p_second)
     for _ in range(25):
-        out = target.generate(prefix.repeat(48, 1), do_sample=True, max_new_tokens=3, assistant_model=drafter,
-                              eos_token_id=None, pad_token_id=PAD, **warpers)
+        out = target.generate(
+            prefix.repeat(48, 1),
+            do_sample=True,
+            max_new_tokens=3,
+            assistant_model=drafter,
+            eos_token_id=None,
+            pad_token_id=PAD,
+            **warpers,
+        )
         counts += torch.bincount(out[:, prefix.shape[1] + 1], minlength=len(counts)).float()
     assert chi_square_against(counts, p_second, "random schedule generate(do_sample)").pvalue > ALPHA
 
@@ -488,8 +526,14 @@ def test_single_prompt_sampling_with_random_schedule_runs_every_block_length():
     drafter = make_drafter(target, block_size=5)
     drafter.block_size_policy = random_schedule(5, seed=1)
     torch.manual_seed(0)
-    out = target.generate(torch.tensor([[5, 6, 7]]), do_sample=True, max_new_tokens=40, eos_token_id=None,
-                          assistant_model=drafter, temperature=0.8)
+    out = target.generate(
+        torch.tensor([[5, 6, 7]]),
+        do_sample=True,
+        max_new_tokens=40,
+        eos_token_id=None,
+        assistant_model=drafter,
+        temperature=0.8,
+    )
     assert out.shape == (1, 43)
     check_stats(drafter.last_acceptance, 5)
     assert set(drafter.last_acceptance.block_sizes) == {1, 2, 3, 4, 5}
@@ -514,7 +558,9 @@ def test_a_drafter_config_carries_a_recommended_policy(tmp_path):
     assert loaded.config.block_size_policy == 3
     prompt = torch.tensor([[5, 17, 33, 9]])
     plain = target.generate(prompt, do_sample=False, max_new_tokens=12, eos_token_id=None)
-    assert torch.equal(target.generate(prompt, do_sample=False, max_new_tokens=12, eos_token_id=None, assistant_model=loaded), plain)
+    assert torch.equal(
+        target.generate(prompt, do_sample=False, max_new_tokens=12, eos_token_id=None, assistant_model=loaded), plain
+    )
     assert set(loaded.last_acceptance.block_sizes[:-1]) == {3}
     loaded.block_size_policy = 6  # the user's setting wins
     target.generate(prompt, do_sample=False, max_new_tokens=12, eos_token_id=None, assistant_model=loaded)

@@ -23,11 +23,28 @@ from tests.test_data import save_tiny_folders, write_lines
 PROMPTS = [
     {"prompt": "Write a function that reverses a string."},
     {"prompt": "def add(a, b): return a + b  # add two numbers, add two numbers"},
-    {"messages": [{"role": "user", "content": "Name a prime."}, {"role": "assistant", "content": "7"},
-                  {"role": "user", "content": "And another one?"}]},  # two turns, as MT-Bench
+    {
+        "messages": [
+            {"role": "user", "content": "Name a prime."},
+            {"role": "assistant", "content": "7"},
+            {"role": "user", "content": "And another one?"},
+        ]
+    },  # two turns, as MT-Bench
 ]
-METHOD_FIELDS = {"new_tokens", "seconds", "tok_s", "speedup", "tau", "rounds", "histogram", "mean_block", "identical",
-                 "divergences", "branch_shares", "round_costs"}
+METHOD_FIELDS = {
+    "new_tokens",
+    "seconds",
+    "tok_s",
+    "speedup",
+    "tau",
+    "rounds",
+    "histogram",
+    "mean_block",
+    "identical",
+    "divergences",
+    "branch_shares",
+    "round_costs",
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,8 +64,25 @@ def folders(tmp_path_factory):
 
 def bench(folders, out, *extra) -> dict:
     target, drafter, prompts = folders
-    argv = ["bench", "--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts), "--dtype",
-            "float32", "--max-new-tokens", "20", "--num-prompts", "0", "--out", str(out), "--no-progress", *extra]
+    argv = [
+        "bench",
+        "--target",
+        str(target),
+        "--drafter",
+        str(drafter),
+        "--prompts",
+        str(prompts),
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "20",
+        "--num-prompts",
+        "0",
+        "--out",
+        str(out),
+        "--no-progress",
+        *extra,
+    ]
     assert main(argv) == 0
     return json.loads((out / "bench.json").read_text())
 
@@ -61,8 +95,18 @@ def greedy(folders, tmp_path_factory):
 
 def test_report_has_every_field_and_all_methods_equal_plain_greedy_in_fp32(greedy, capsys):
     report, out = greedy
-    assert set(report) >= {"command", "machine", "settings", "methods", "sets", "overall", "divergences", "samples",
-                           "plots", "card"}
+    assert set(report) >= {
+        "command",
+        "machine",
+        "settings",
+        "methods",
+        "sets",
+        "overall",
+        "divergences",
+        "samples",
+        "plots",
+        "card",
+    }
     assert report["methods"] == list(METHODS)
     assert report["command"].startswith("hf-dflash bench --target ")
     for row in [*report["sets"].values(), report["overall"]]:
@@ -192,8 +236,16 @@ def test_bad_inputs_are_named(folders, tmp_path, capsys):
 
 @pytest.mark.real_model
 def test_smollm2_smoke_on_one_gsm8k_prompt(real_target, tmp_path):
-    report = run_bench("smollm2-135m-instruct", "random", sets=["gsm8k"], num_prompts=1, max_new_tokens=16,
-                       dtype="float32", out=tmp_path, progress=False)
+    report = run_bench(
+        "smollm2-135m-instruct",
+        "random",
+        sets=["gsm8k"],
+        num_prompts=1,
+        max_new_tokens=16,
+        dtype="float32",
+        out=tmp_path,
+        progress=False,
+    )
     assert report["overall"]["n"] == 1
     assert all(stats["identical"] in (None, True) for stats in report["overall"]["methods"].values())
     assert report["sets"]["gsm8k"]["methods"]["dflash"]["tau"] == pytest.approx(1.0, abs=0.5)

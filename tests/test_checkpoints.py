@@ -140,10 +140,14 @@ def test_hub_format_files_config_and_round_trip(model, hub_dir, inputs, expected
     assert {"config.json", "configuration_dflash.py", "modeling_dflash.py", "model.safetensors", "README.md"} <= names
     config = json.loads((hub_dir / "config.json").read_text())
     assert config["model_type"] == "dflash"
-    assert config["auto_map"] == HUB_AUTO_MAP == {
-        "AutoConfig": "configuration_dflash.DFlashConfig",
-        "AutoModel": "modeling_dflash.DFlashDraftModel",
-    }
+    assert (
+        config["auto_map"]
+        == HUB_AUTO_MAP
+        == {
+            "AutoConfig": "configuration_dflash.DFlashConfig",
+            "AutoModel": "modeling_dflash.DFlashDraftModel",
+        }
+    )
     for field in ("block_size", "target_layer_ids", "mask_token_id", "num_target_layers", "vocab_size"):
         assert config[field] == TINY[field], field
     assert config["target_hidden_size"] == 32 and config["hidden_size"] == 32
@@ -171,15 +175,27 @@ def test_official_format_config_and_round_trip(official_dir, hub_dir, inputs, ex
     assert config["block_size"] == 4
     assert config["dflash_config"] == {"mask_token_id": 127, "target_layer_ids": [1, 3], "block_size": 4}
     assert config["num_target_layers"] == 6 and config["vocab_size"] == 128
-    for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings"):
+    for field in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "rms_norm_eps",
+        "max_position_embeddings",
+    ):
         assert field in config, field
     assert config["rope_theta"] == config["rope_parameters"]["rope_theta"]
     assert config["rope_scaling"] is None  # plain RoPE, as older engines expect
     # z-lab's convention: only AutoModel is remote, so AutoConfig (and every engine) still sees a Qwen3Config.
     assert config["auto_map"] == OFFICIAL_AUTO_MAP == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
     assert {p.name for p in official_dir.iterdir()} == {
-        "config.json", "model.safetensors", "configuration_dflash.py", "modeling_dflash.py"
+        "config.json",
+        "model.safetensors",
+        "configuration_dflash.py",
+        "modeling_dflash.py",
     }
     official_weights = load_file(str(official_dir / "model.safetensors"))
     hub_weights = load_file(str(hub_dir / "model.safetensors"))
@@ -200,6 +216,7 @@ def test_official_sharded_and_legacy_rope_and_bf16(model, official_dir, inputs, 
         save_file({k: state_dict[k] for k in shard_keys}, str(sharded / name), metadata={"format": "pt"})
     weight_map = {k: name for name, shard_keys in shards.items() for k in shard_keys}
     (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
     # An older config: rope only as rope_theta/rope_scaling, block_size only top-level, no target_hidden_size.
     def make_legacy(config):
         del config["rope_parameters"], config["target_hidden_size"], config["dflash_config"]["block_size"]
@@ -220,8 +237,9 @@ def test_official_sharded_and_legacy_rope_and_bf16(model, official_dir, inputs, 
 def test_official_keeps_rope_scaling_and_sliding_layers(inputs, tmp_path):
     rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
     torch.manual_seed(0)
-    config = DFlashConfig(**TINY, rope_parameters=dict(rope), layer_types=["sliding_attention", "full_attention"],
-                          sliding_window=3)
+    config = DFlashConfig(
+        **TINY, rope_parameters=dict(rope), layer_types=["sliding_attention", "full_attention"], sliding_window=3
+    )
     model = DFlashDraftModel(config).eval()
     folder = save_official(model, tmp_path / "yarn")
     written = json.loads((folder / "config.json").read_text())
@@ -276,16 +294,22 @@ def subprocess_runs(hub_dir, official_dir, inputs, expected, tmp_path_factory):
     cli_out = tmp_path_factory.mktemp("console") / "hub"
     processes = {
         name: subprocess.Popen(
-            [sys.executable, "-c", REMOTE_SCRIPT, str(folder), config_type], cwd=remote_cwd,
+            [sys.executable, "-c", REMOTE_SCRIPT, str(folder), config_type],
+            cwd=remote_cwd,
             env={**remote_env, "HF_MODULES_CACHE": str(remote_cwd / f"modules_{name}")},
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for name, folder, config_type in (("remote", hub_dir, "dflash"), ("remote_official", official_dir, "qwen3"))
     }
     if script.is_file():
         processes["console"] = subprocess.Popen(
             [str(script), "convert", str(official_dir), str(cli_out), "--to", "hub"],
-            env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
     results = {}
     for name, process in processes.items():
@@ -366,8 +390,15 @@ def _drop(key):
         (lambda c: c.update(num_target_layers=None), r"num_target_layers"),
         (lambda c: c["dflash_config"].update(mask_token_id=500), r"mask_token_id=500"),
     ],
-    ids=["block_size_conflict", "no_mask", "no_layers", "no_dflash_config", "model_type", "no_num_target_layers",
-         "mask_out_of_range"],
+    ids=[
+        "block_size_conflict",
+        "no_mask",
+        "no_layers",
+        "no_dflash_config",
+        "model_type",
+        "no_num_target_layers",
+        "mask_out_of_range",
+    ],
 )
 def test_official_config_errors(official_dir, tmp_path, edit, match):
     folder = copy_of(official_dir, tmp_path)
@@ -477,25 +508,51 @@ def speculators_folder(model: DFlashDraftModel, folder: Path) -> Path:
     folder.mkdir(parents=True)
     config = model.config
     layer_config = {
-        "model_type": "qwen3", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-        "hidden_act": "silu", "rms_norm_eps": config.rms_norm_eps, "max_position_embeddings": 256,
-        "rope_parameters": dict(config.rope_parameters), "attention_bias": False,
+        "model_type": "qwen3",
+        "vocab_size": 128,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": 256,
+        "rope_parameters": dict(config.rope_parameters),
+        "attention_bias": False,
     }
-    (folder / "config.json").write_text(json.dumps({
-        "speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"], "speculators_version": "0.4.0",
-        "block_size": 4, "draft_vocab_size": 128, "mask_token_id": 127, "aux_hidden_state_layer_ids": [2, 4],
-        "target_hidden_size": 32, "sliding_window_non_causal": False, "projector_type": "dflash",
-        "sample_from_anchor": False, "transformer_layer_config": layer_config,
-        "speculators_config": {
-            "algorithm": "dflash", "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
-            "verifier": {"name_or_path": "tiny/qwen3-target", "architectures": ["Qwen3ForCausalLM"]},
-        },
-    }))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "speculators_model_type": "dflash",
+                "architectures": ["DFlashSpeculator"],
+                "speculators_version": "0.4.0",
+                "block_size": 4,
+                "draft_vocab_size": 128,
+                "mask_token_id": 127,
+                "aux_hidden_state_layer_ids": [2, 4],
+                "target_hidden_size": 32,
+                "sliding_window_non_causal": False,
+                "projector_type": "dflash",
+                "sample_from_anchor": False,
+                "transformer_layer_config": layer_config,
+                "speculators_config": {
+                    "algorithm": "dflash",
+                    "default_proposal_method": "greedy",
+                    "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                    "verifier": {"name_or_path": "tiny/qwen3-target", "architectures": ["Qwen3ForCausalLM"]},
+                },
+            }
+        )
+    )
     weights = {key: value.clone() for key, value in model.state_dict().items()}
-    weights |= {"embed_tokens.weight": torch.randn(128, 32), "lm_head.weight": torch.randn(128, 32),
-                "d2t": torch.zeros(128, dtype=torch.long), "t2d": torch.ones(128, dtype=torch.bool)}
+    weights |= {
+        "embed_tokens.weight": torch.randn(128, 32),
+        "lm_head.weight": torch.randn(128, 32),
+        "d2t": torch.zeros(128, dtype=torch.long),
+        "t2d": torch.ones(128, dtype=torch.bool),
+    }
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
 
@@ -510,7 +567,9 @@ def test_speculators_checkpoint_loads(speculators_dir, inputs, expected, tmp_pat
     assert loaded.config.target_layer_ids == [1, 3] and loaded.config.mask_token_id == 127
     assert loaded.config.block_size == 4 and loaded.config.num_target_layers == 6
     assert_same_model(loaded, expected, inputs)
-    assert main(["convert", str(speculators_dir), str(tmp_path / "hub"), "--to", "hub", "--num-target-layers", "6"]) == 0
+    assert (
+        main(["convert", str(speculators_dir), str(tmp_path / "hub"), "--to", "hub", "--num-target-layers", "6"]) == 0
+    )
     assert_same_model(load_drafter(tmp_path / "hub"), expected, inputs)
 
 
@@ -536,8 +595,17 @@ def _set(**fields):
         (lambda c: c.pop("mask_token_id"), r"mask_token_id"),
         (lambda c: c.pop("aux_hidden_state_layer_ids"), r"aux_hidden_state_layer_ids"),
     ],
-    ids=["domino", "sample_from_anchor", "shift_label", "reduced_vocab", "dflash2", "eagle3", "aux_zero",
-         "no_mask", "no_layers"],
+    ids=[
+        "domino",
+        "sample_from_anchor",
+        "shift_label",
+        "reduced_vocab",
+        "dflash2",
+        "eagle3",
+        "aux_zero",
+        "no_mask",
+        "no_layers",
+    ],
 )
 def test_speculators_checkpoints_that_cannot_be_served_are_named(speculators_dir, tmp_path, edit, match):
     folder = copy_of(speculators_dir, tmp_path)
@@ -567,8 +635,12 @@ def test_official_variants_that_cannot_be_served_are_named(official_dir, tmp_pat
 @pytest.mark.parametrize("non_causal", [False, True])
 def test_sliding_layer_semantics_survive_both_formats(tmp_path, inputs, non_causal):
     torch.manual_seed(0)
-    config = DFlashConfig(**TINY, layer_types=["sliding_attention", "full_attention"], sliding_window=3,
-                          sliding_window_non_causal=non_causal)
+    config = DFlashConfig(
+        **TINY,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=3,
+        sliding_window_non_causal=non_causal,
+    )
     model = DFlashDraftModel(config).eval()
     official = save_official(model, tmp_path / "official")
     written = json.loads((official / "config.json").read_text())
@@ -584,6 +656,7 @@ def test_zlab_is_causal_false_means_bidirectional_sliding_layers(tmp_path):
     torch.manual_seed(0)
     config = DFlashConfig(**TINY, layer_types=["sliding_attention"] * 2, sliding_window=3)
     folder = save_official(DFlashDraftModel(config), tmp_path / "zlab")
+
     def as_zlab(c):
         del c["dflash_config"]["sliding_window_non_causal"]
         c["is_causal"] = False
@@ -616,7 +689,10 @@ def test_convert_overwrite_replaces_the_whole_folder(hub_dir, inputs, expected, 
     (destination / "notes.txt").write_text("stale\n")
     assert main(["convert", str(hub_dir), str(destination), "--to", "official", "--overwrite"]) == 0
     assert {p.name for p in destination.iterdir()} == {
-        "config.json", "model.safetensors", "configuration_dflash.py", "modeling_dflash.py"
+        "config.json",
+        "model.safetensors",
+        "configuration_dflash.py",
+        "modeling_dflash.py",
     }
     assert_same_model(load_drafter(destination), expected, inputs)
     assert main(["convert", str(hub_dir), str(tmp_path / "empty_is_fine"), "--to", "hub"]) == 0

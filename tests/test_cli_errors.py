@@ -38,38 +38,132 @@ def fails_cleanly(capsys, argv, command, *fragments):
 def test_a_missing_prompts_file_is_named(folders, tmp_path, capsys):
     target, drafter, _, _ = folders
     missing = str(tmp_path / "nope.jsonl")
-    fails_cleanly(capsys, ["generate", "--prompts", missing, "--out", str(tmp_path / "o.jsonl"), "--target",
-                           str(target), "--drafter", str(drafter)], "generate", "nope.jsonl", "does not exist")
-    fails_cleanly(capsys, ["bench", "--prompts", missing, "--target", str(target), "--drafter", "random",
-                           "--out", str(tmp_path / "b")], "bench", "nope.jsonl", "does not exist")
-    fails_cleanly(capsys, ["prepare-data", "--out", str(tmp_path / "d"), "--sources", "", "--prompts", missing],
-                  "prepare-data", "nope.jsonl", "does not exist")
+    fails_cleanly(
+        capsys,
+        [
+            "generate",
+            "--prompts",
+            missing,
+            "--out",
+            str(tmp_path / "o.jsonl"),
+            "--target",
+            str(target),
+            "--drafter",
+            str(drafter),
+        ],
+        "generate",
+        "nope.jsonl",
+        "does not exist",
+    )
+    fails_cleanly(
+        capsys,
+        ["bench", "--prompts", missing, "--target", str(target), "--drafter", "random", "--out", str(tmp_path / "b")],
+        "bench",
+        "nope.jsonl",
+        "does not exist",
+    )
+    fails_cleanly(
+        capsys,
+        ["prepare-data", "--out", str(tmp_path / "d"), "--sources", "", "--prompts", missing],
+        "prepare-data",
+        "nope.jsonl",
+        "does not exist",
+    )
     assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "b").exists()
 
 
 def test_device_cuda_without_cuda_is_named(folders, tmp_path, capsys, monkeypatch):
     target, drafter, prompts, _ = folders
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    fails_cleanly(capsys, ["bench", "--prompts", str(prompts), "--target", str(target), "--drafter", str(drafter),
-                           "--device", "cuda", "--out", str(tmp_path / "b")], "bench", "--device cuda", "CUDA")
-    fails_cleanly(capsys, ["bench", "--prompts", str(prompts), "--target", str(target), "--drafter", str(drafter),
-                           "--device", "gpu0", "--out", str(tmp_path / "b")], "bench", "--device 'gpu0'")
+    fails_cleanly(
+        capsys,
+        [
+            "bench",
+            "--prompts",
+            str(prompts),
+            "--target",
+            str(target),
+            "--drafter",
+            str(drafter),
+            "--device",
+            "cuda",
+            "--out",
+            str(tmp_path / "b"),
+        ],
+        "bench",
+        "--device cuda",
+        "CUDA",
+    )
+    fails_cleanly(
+        capsys,
+        [
+            "bench",
+            "--prompts",
+            str(prompts),
+            "--target",
+            str(target),
+            "--drafter",
+            str(drafter),
+            "--device",
+            "gpu0",
+            "--out",
+            str(tmp_path / "b"),
+        ],
+        "bench",
+        "--device 'gpu0'",
+    )
 
 
 def test_a_negative_temperature_is_refused(folders, tmp_path, capsys):
     target, drafter, prompts, _ = folders
-    fails_cleanly(capsys, ["bench", "--prompts", str(prompts), "--target", str(target), "--drafter", str(drafter),
-                           "--temperature", "-1"], "bench", "--temperature", "-1")
-    fails_cleanly(capsys, ["prepare-data", "--out", str(tmp_path / "d"), "--temperature", "-1"], "prepare-data",
-                  "--temperature")
+    fails_cleanly(
+        capsys,
+        ["bench", "--prompts", str(prompts), "--target", str(target), "--drafter", str(drafter), "--temperature", "-1"],
+        "bench",
+        "--temperature",
+        "-1",
+    )
+    fails_cleanly(
+        capsys, ["prepare-data", "--out", str(tmp_path / "d"), "--temperature", "-1"], "prepare-data", "--temperature"
+    )
 
 
 def test_an_empty_prompt_file_is_refused(folders, tmp_path, capsys):
     target, drafter, _, empty = folders
-    fails_cleanly(capsys, ["generate", "--prompts", str(empty), "--out", str(tmp_path / "o.jsonl"), "--target",
-                           str(target), "--drafter", str(drafter)], "generate", "empty.jsonl", "no prompts")
-    fails_cleanly(capsys, ["bench", "--prompts", str(empty), "--target", str(target), "--drafter", str(drafter),
-                           "--out", str(tmp_path / "b")], "bench", "empty.jsonl", "no prompts")
+    fails_cleanly(
+        capsys,
+        [
+            "generate",
+            "--prompts",
+            str(empty),
+            "--out",
+            str(tmp_path / "o.jsonl"),
+            "--target",
+            str(target),
+            "--drafter",
+            str(drafter),
+        ],
+        "generate",
+        "empty.jsonl",
+        "no prompts",
+    )
+    fails_cleanly(
+        capsys,
+        [
+            "bench",
+            "--prompts",
+            str(empty),
+            "--target",
+            str(target),
+            "--drafter",
+            str(drafter),
+            "--out",
+            str(tmp_path / "b"),
+        ],
+        "bench",
+        "empty.jsonl",
+        "no prompts",
+    )
     assert not (tmp_path / "o.jsonl").exists()
 
 
@@ -78,16 +172,49 @@ def test_prepare_data_with_no_sample_left_is_an_error(tmp_path, monkeypatch, cap
     monkeypatch.setattr(corpus, "load_eval_suite", lambda: EVAL_SUITE)
     monkeypatch.setattr(pipeline, "load_target", lambda name, dtype: (make_target("llama"), make_char_tokenizer()))
     # 12 new tokens per reply can never reach 2 x block 16 supervised tokens: every sample is dropped.
-    fails_cleanly(capsys, ["prepare-data", "--out", str(tmp_path / "out"), "--sources", "", "--prompts", str(prompts),
-                           "--max-new-tokens", "12", "--block-size", "16", "--max-length", "256"],
-                  "prepare-data", "0 training samples", "--block-size")
+    fails_cleanly(
+        capsys,
+        [
+            "prepare-data",
+            "--out",
+            str(tmp_path / "out"),
+            "--sources",
+            "",
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "12",
+            "--block-size",
+            "16",
+            "--max-length",
+            "256",
+        ],
+        "prepare-data",
+        "0 training samples",
+        "--block-size",
+    )
 
 
 def test_bench_runs_every_prompt_of_a_file_and_says_how_many(folders, tmp_path, capsys):
     target, drafter, prompts, _ = folders
-    argv = ["bench", "--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts), "--dtype",
-            "float32", "--max-new-tokens", "3", "--methods", "plain,dflash", "--out", str(tmp_path / "all"),
-            "--no-progress"]
+    argv = [
+        "bench",
+        "--target",
+        str(target),
+        "--drafter",
+        str(drafter),
+        "--prompts",
+        str(prompts),
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "3",
+        "--methods",
+        "plain,dflash",
+        "--out",
+        str(tmp_path / "all"),
+        "--no-progress",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     report = json.loads((tmp_path / "all" / "bench.json").read_text())

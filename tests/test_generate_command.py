@@ -6,8 +6,13 @@ from hf_dflash.cli import main
 from tests.conftest import make_drafter, make_target
 from tests.test_data import make_char_tokenizer, write_lines
 
-PROMPTS = [{"prompt": "Hello there"}, {"prompt": "Write a loop."}, {"prompt": "Why is the sky blue? Explain."},
-           {"messages": [{"role": "user", "content": "Count to three."}]}, {"prompt": "ok"}]
+PROMPTS = [
+    {"prompt": "Hello there"},
+    {"prompt": "Write a loop."},
+    {"prompt": "Why is the sky blue? Explain."},
+    {"messages": [{"role": "user", "content": "Count to three."}]},
+    {"prompt": "ok"},
+]
 
 
 def test_batched_generate_command_matches_plain(tmp_path, capsys):
@@ -16,8 +21,19 @@ def test_batched_generate_command_matches_plain(tmp_path, capsys):
     make_char_tokenizer().save_pretrained(tmp_path / "target")
     make_drafter(target, block_size=4).save_pretrained(tmp_path / "drafter")
     prompts = write_lines(tmp_path / "prompts.jsonl", PROMPTS)
-    common = ["generate", "--prompts", str(prompts), "--target", str(tmp_path / "target"), "--dtype", "float32",
-              "--max-new-tokens", "12", "--batch-size", "3"]
+    common = [
+        "generate",
+        "--prompts",
+        str(prompts),
+        "--target",
+        str(tmp_path / "target"),
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "12",
+        "--batch-size",
+        "3",
+    ]
     assert main([*common, "--drafter", str(tmp_path / "drafter"), "--out", str(tmp_path / "dflash.jsonl")]) == 0
     assert "τ" in capsys.readouterr().out
     shorter = ["--drafter", str(tmp_path / "drafter"), "--block-size-policy", "2", "--out", str(tmp_path / "k2.jsonl")]

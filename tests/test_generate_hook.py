@@ -33,7 +33,9 @@ def test_normal_assistant_model_is_untouched(forbid_dflash_loop):
 def test_prompt_lookup_is_untouched(forbid_dflash_loop):
     target = make_target("llama")
     expected = target.generate(PROMPT, do_sample=False, max_new_tokens=20)
-    assert torch.equal(target.generate(PROMPT, do_sample=False, max_new_tokens=20, prompt_lookup_num_tokens=3), expected)
+    assert torch.equal(
+        target.generate(PROMPT, do_sample=False, max_new_tokens=20, prompt_lookup_num_tokens=3), expected
+    )
 
 
 def test_builtin_transformers_dflash_path_accepts_our_drafter(forbid_dflash_loop):
@@ -43,8 +45,12 @@ def test_builtin_transformers_dflash_path_accepts_our_drafter(forbid_dflash_loop
         drafter = make_drafter(target, block_size=block_size)
         expected = target.generate(PROMPT, do_sample=False, max_new_tokens=23, eos_token_id=None)
         actual = target.generate(
-            PROMPT, do_sample=False, max_new_tokens=23, eos_token_id=None,
-            assistant_model=drafter, speculation_type="dflash",
+            PROMPT,
+            do_sample=False,
+            max_new_tokens=23,
+            eos_token_id=None,
+            assistant_model=drafter,
+            speculation_type="dflash",
         )
         assert torch.equal(actual, expected)
 
@@ -97,8 +103,11 @@ def test_output_attentions_is_refused_clearly():
     target = make_target("llama")
     with pytest.raises(ValueError, match="output_attentions"):
         target.generate(
-            PROMPT, max_new_tokens=5, assistant_model=make_drafter(target),
-            return_dict_in_generate=True, output_attentions=True,
+            PROMPT,
+            max_new_tokens=5,
+            assistant_model=make_drafter(target),
+            return_dict_in_generate=True,
+            output_attentions=True,
         )
 
 
@@ -110,11 +119,17 @@ def test_prompt_lookup_with_the_builtin_dflash_loop_is_refused_not_dropped():
     without it our loop uses both (hybrid drafting, tests/test_generation_hybrid.py)."""
     target = make_target("llama")
     with pytest.raises(ValueError, match=r"prompt_lookup_num_tokens=3 with speculation_type='dflash'"):
-        target.generate(PROMPT, max_new_tokens=5, assistant_model=make_drafter(target), prompt_lookup_num_tokens=3,
-                        speculation_type="dflash")
+        target.generate(
+            PROMPT,
+            max_new_tokens=5,
+            assistant_model=make_drafter(target),
+            prompt_lookup_num_tokens=3,
+            speculation_type="dflash",
+        )
     plain = target.generate(PROMPT, max_new_tokens=5, do_sample=False)
-    hybrid = target.generate(PROMPT, max_new_tokens=5, do_sample=False, assistant_model=make_drafter(target),
-                             prompt_lookup_num_tokens=3)
+    hybrid = target.generate(
+        PROMPT, max_new_tokens=5, do_sample=False, assistant_model=make_drafter(target), prompt_lookup_num_tokens=3
+    )
     assert torch.equal(plain, hybrid)
 
 
@@ -146,8 +161,9 @@ class ForeignDFlashDraftModel(Qwen3PreTrainedModel):
         super().__init__(config)
         self.layers = torch.nn.ModuleList([Qwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.fc = torch.nn.Linear(len(config.dflash_config["target_layer_ids"]) * config.hidden_size,
-                                  config.hidden_size, bias=False)
+        self.fc = torch.nn.Linear(
+            len(config.dflash_config["target_layer_ids"]) * config.hidden_size, config.hidden_size, bias=False
+        )
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_init()
 
@@ -163,7 +179,9 @@ def foreign_copy(drafter) -> ForeignDFlashDraftModel:
 def test_a_foreign_dflash_drafter_is_refused_with_the_way_to_load_it():
     target = make_target("qwen3")
     foreign = foreign_copy(make_drafter(target))
-    with pytest.raises(ValueError, match=r"ForeignDFlashDraftModel.*hf_dflash\.load_drafter.*hf_dflash\.drafter_from_model"):
+    with pytest.raises(
+        ValueError, match=r"ForeignDFlashDraftModel.*hf_dflash\.load_drafter.*hf_dflash\.drafter_from_model"
+    ):
         target.generate(PROMPT, do_sample=False, max_new_tokens=8, assistant_model=foreign)
     assert hf_dflash.load_drafter and hf_dflash.drafter_from_model is drafter_from_model  # the names it gives exist
 

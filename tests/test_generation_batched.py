@@ -33,8 +33,14 @@ def unpadded(input_ids, attention_mask, row: int) -> torch.LongTensor:
 
 def eos_mid_way(target, input_ids, attention_mask, max_new_tokens, generator) -> int:
     """A token that one row emits mid-way without EOS: as EOS, rows then stop at different times."""
-    free = target.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=max_new_tokens,
-                           eos_token_id=None, pad_token_id=PAD)
+    free = target.generate(
+        input_ids,
+        attention_mask=attention_mask,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=None,
+        pad_token_id=PAD,
+    )
     row = int(torch.randint(len(input_ids), (1,), generator=generator))
     step = int(torch.randint(max_new_tokens // 2 + 1, (1,), generator=generator))
     return int(free[row, input_ids.shape[1] + step])
@@ -69,8 +75,12 @@ def oracle_for_batch(
     oracle); with `rows`, only those rows' (the others get wrong drafts); with `noise`, that fraction
     of the tokens it knows is replaced by random ones (rows then accept different partial blocks)."""
     rows = [
-        target.generate(unpadded(input_ids, attention_mask, b), do_sample=False, eos_token_id=None,
-                        max_new_tokens=max_new_tokens + block_size)[0]
+        target.generate(
+            unpadded(input_ids, attention_mask, b),
+            do_sample=False,
+            eos_token_id=None,
+            max_new_tokens=max_new_tokens + block_size,
+        )[0]
         for b in (range(len(input_ids)) if rows is None else rows)
     ]
     greedy = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=PAD)
@@ -114,7 +124,9 @@ def test_each_row_equals_that_row_generated_alone():
     for _ in range(3):
         input_ids, attention_mask = random_batch(generator, 6, shortest=1, longest=14)
         eos = eos_mid_way(target, input_ids, attention_mask, 20, generator)
-        expected, actual = plain_and_dflash(target, drafter, input_ids, attention_mask, max_new_tokens=20, eos_token_id=eos)
+        expected, actual = plain_and_dflash(
+            target, drafter, input_ids, attention_mask, max_new_tokens=20, eos_token_id=eos
+        )
         assert torch.equal(actual, expected)
         width = input_ids.shape[1]
         for row in range(len(input_ids)):
@@ -134,7 +146,9 @@ def test_cache_waste_stays_bounded():
     generator = torch.Generator().manual_seed(4)
     input_ids, attention_mask = random_batch(generator, 4)
     drafter = oracle_for_batch(target, input_ids, attention_mask, 16, 60, rows=[0, 2])
-    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=60, eos_token_id=None, pad_token_id=PAD)
+    kwargs = dict(
+        attention_mask=attention_mask, do_sample=False, max_new_tokens=60, eos_token_id=None, pad_token_id=PAD
+    )
     expected = target.generate(input_ids, **kwargs)
     target_past, drafter_past = [], []
 
@@ -233,7 +247,9 @@ def test_equal_length_prompts_without_attention_mask():
     drafter = make_drafter(target, block_size=4)
     input_ids = torch.randint(3, VOCAB, (3, 7), generator=torch.Generator().manual_seed(8))
     kwargs = dict(do_sample=False, max_new_tokens=15, eos_token_id=None)
-    assert torch.equal(target.generate(input_ids, assistant_model=drafter, **kwargs), target.generate(input_ids, **kwargs))
+    assert torch.equal(
+        target.generate(input_ids, assistant_model=drafter, **kwargs), target.generate(input_ids, **kwargs)
+    )
 
 
 def test_unsupported_batched_options_are_refused_clearly():
@@ -244,7 +260,10 @@ def test_unsupported_batched_options_are_refused_clearly():
     drafter = make_drafter(target)
     input_ids = torch.randint(3, VOCAB, (2, 5))
     with pytest.raises(ValueError, match="output_scores need batch size 1"):
-        target.generate(input_ids, max_new_tokens=4, assistant_model=drafter, return_dict_in_generate=True, output_scores=True)
+        target.generate(
+            input_ids, max_new_tokens=4, assistant_model=drafter, return_dict_in_generate=True, output_scores=True
+        )
+
     class Ignore(BaseStreamer):
         def put(self, value):
             pass
@@ -252,7 +271,9 @@ def test_unsupported_batched_options_are_refused_clearly():
     with pytest.raises(ValueError, match="Streamers need batch size 1"):
         target.generate(input_ids, max_new_tokens=4, assistant_model=drafter, streamer=Ignore())
     torch.manual_seed(0)
-    windowed = MistralForCausalLM(MistralConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=6))
+    windowed = MistralForCausalLM(
+        MistralConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=6)
+    )
     with pytest.raises(ValueError, match="sliding window"):
         windowed.generate(input_ids, max_new_tokens=4, assistant_model=make_drafter(windowed))
 
@@ -277,8 +298,16 @@ def test_batched_sampling_preserves_target_distribution():
     counts = torch.zeros_like(p_second)
     rounds = []
     for _ in range(200):
-        out = target.generate(input_ids, attention_mask=attention_mask, do_sample=True, max_new_tokens=3,
-                              assistant_model=drafter, eos_token_id=None, pad_token_id=PAD, **warpers)
+        out = target.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            do_sample=True,
+            max_new_tokens=3,
+            assistant_model=drafter,
+            eos_token_id=None,
+            pad_token_id=PAD,
+            **warpers,
+        )
         counts += torch.bincount(out[:copies, prefix.shape[1] + 1], minlength=len(counts)).float()
         rounds += drafter.last_acceptance.acceptance_lengths
     assert chi_square_against(counts, p_second, "batched generate(do_sample)").pvalue > ALPHA
@@ -293,11 +322,20 @@ def test_one_drafter_pass_and_one_target_pass_per_round_for_the_whole_batch():
     calls = {"target": [], "drafter": []}
     handles = [
         target.register_forward_pre_hook(lambda m, a, k: calls["target"].append(len(k["input_ids"])), with_kwargs=True),
-        drafter.register_forward_pre_hook(lambda m, a, k: calls["drafter"].append(len(k["noise_embeds"])), with_kwargs=True),
+        drafter.register_forward_pre_hook(
+            lambda m, a, k: calls["drafter"].append(len(k["noise_embeds"])), with_kwargs=True
+        ),
     ]
     try:
-        target.generate(input_ids, attention_mask=attention_mask, assistant_model=drafter, do_sample=False,
-                        max_new_tokens=32, eos_token_id=None, pad_token_id=PAD)
+        target.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            assistant_model=drafter,
+            do_sample=False,
+            max_new_tokens=32,
+            eos_token_id=None,
+            pad_token_id=PAD,
+        )
     finally:
         for handle in handles:
             handle.remove()

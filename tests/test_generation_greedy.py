@@ -187,4 +187,6 @@ def test_sliding_window_target_rolls_back_rejected_drafts(block_size):
     drafter = make_drafter(target, block_size=block_size)
     input_ids = prompt(8, length=9)
     kwargs = dict(do_sample=False, max_new_tokens=30, eos_token_id=None)
-    assert torch.equal(target.generate(input_ids, assistant_model=drafter, **kwargs), target.generate(input_ids, **kwargs))
+    assert torch.equal(
+        target.generate(input_ids, assistant_model=drafter, **kwargs), target.generate(input_ids, **kwargs)
+    )

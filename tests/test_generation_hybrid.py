@@ -77,7 +77,9 @@ def test_random_drafter_hybrid_matches_plain_greedy(arch, block_size, repeats, m
         assert torch.equal(actual, expected)
         stats = drafter.last_acceptance
         assert committed(stats) == 37
-        assert len(stats.tree_sizes) == len(stats.block_tokens) == len(stats.ngram_tokens) == len(stats.acceptance_lengths)
+        assert (
+            len(stats.tree_sizes) == len(stats.block_tokens) == len(stats.ngram_tokens) == len(stats.acceptance_lengths)
+        )
     assert trees.count > 0
     stats = drafter.last_acceptance
     assert sum(stats.ngram_tokens) > 0  # random tiny targets loop: the n-gram branch is accepted
@@ -206,7 +208,9 @@ def test_stops_landing_inside_either_branch(branch):
             stop = tokenizer.decode(free[max(offset - 1, 0) : offset + 1])  # the 2 characters ending at offset
             text = tokenizer.decode(input_ids[0, -1:].tolist() + free)  # one character per token
             if offset and text.find(stop) == offset:  # the first time the sequence ends with the stop string
-                kwargs = dict(max_new_tokens=60, do_sample=False, eos_token_id=None, stop_strings=[stop], tokenizer=tokenizer)
+                kwargs = dict(
+                    max_new_tokens=60, do_sample=False, eos_token_id=None, stop_strings=[stop], tokenizer=tokenizer
+                )
                 actual = hybrid(target, drafter, input_ids, m=8, **kwargs)
                 assert torch.equal(actual, target.generate(input_ids, **kwargs))
                 assert actual.shape[1] == length + offset + 1
@@ -295,7 +299,9 @@ def test_reachable_sliding_window_falls_back_to_one_branch_and_stays_lossless(mo
 
     trees = CountTreeForwards(monkeypatch)
     torch.manual_seed(0)
-    target = MistralForCausalLM(MistralConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=6)).eval()
+    target = MistralForCausalLM(
+        MistralConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=6)
+    ).eval()
     drafter = make_drafter(target, block_size=4)
     drafter.block_size_policy = 4
     input_ids = prompt(8, repeats=True, length=12)
@@ -359,14 +365,23 @@ def test_real_target_hybrid_on_a_copy_prompt(real_target):
     target, tokenizer = real_target
     code = "def mean(values):\n    total = 0\n    for value in values:\n        total = total + value\n    return total / len(values)\n"
     inputs = tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"Add a docstring to this Python function and return the whole function:\n```python\n{code}```"}],
-        add_generation_prompt=True, return_tensors="pt", return_dict=True,
+        [
+            {
+                "role": "user",
+                "content": f"Add a docstring to this Python function and return the whole function:\n```python\n{code}```",
+            }
+        ],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )
     torch.manual_seed(0)
     drafter = make_drafter(target, block_size=8, num_hidden_layers=1)
     drafter.block_size_policy = 8
     expected = target.generate(**inputs, do_sample=False, max_new_tokens=64)
-    actual = target.generate(**inputs, do_sample=False, max_new_tokens=64, assistant_model=drafter, prompt_lookup_num_tokens=10)
+    actual = target.generate(
+        **inputs, do_sample=False, max_new_tokens=64, assistant_model=drafter, prompt_lookup_num_tokens=10
+    )
     assert torch.equal(actual, expected), tokenizer.decode(actual[0])
     stats = drafter.last_acceptance
     assert sum(stats.ngram_tokens) >= 10 and stats.mean_acceptance_length > 1.5, stats

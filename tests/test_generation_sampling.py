@@ -26,7 +26,9 @@ def test_rejection_sampler_outputs_target_distribution():
     first_test = chisquare(first, target_probs[0, 0] * draws)
     kept = second_given_first_kept.sum()
     second_test = chisquare(second_given_first_kept, target_probs[0, 1] * kept)
-    print(f"slot 0: chi2={first_test.statistic:.2f} p={first_test.pvalue:.3f}; slot 1: chi2={second_test.statistic:.2f} p={second_test.pvalue:.3f}")
+    print(
+        f"slot 0: chi2={first_test.statistic:.2f} p={first_test.pvalue:.3f}; slot 1: chi2={second_test.statistic:.2f} p={second_test.pvalue:.3f}"
+    )
     assert first_test.pvalue > ALPHA and second_test.pvalue > ALPHA
 
 
@@ -88,7 +90,9 @@ def check_sampled_second_token(target, drafter, label: str, draws: int = 1200) -
     counts = torch.zeros_like(p_second)
     rounds = []
     for _ in range(draws):
-        out = target.generate(prefix, do_sample=True, max_new_tokens=3, assistant_model=drafter, eos_token_id=None, **warpers)
+        out = target.generate(
+            prefix, do_sample=True, max_new_tokens=3, assistant_model=drafter, eos_token_id=None, **warpers
+        )
         counts[out[0, prefix.shape[1] + 1]] += 1
         rounds += drafter.last_acceptance.acceptance_lengths
     assert chi_square_against(counts, p_second, label).pvalue > ALPHA

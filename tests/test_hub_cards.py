@@ -41,10 +41,22 @@ BENCHMARK = {
     "machine": "1x NVIDIA H200, torch 2.13.0",
     "settings": {"dtype": "bfloat16", "max_new_tokens": 256, "temperature": 0.0},
     "sets": {
-        "gsm8k": {"n": 40, "tau": 3.4127, "speedup": 2.05, "plain_tok_s": 51.3, "dflash_tok_s": 105.2,
-                  "identical": True},
-        "humaneval": {"n": 20, "tau": 4, "speedup": 2.625, "plain_tok_s": 50.0, "dflash_tok_s": 131.25,
-                      "identical": False},
+        "gsm8k": {
+            "n": 40,
+            "tau": 3.4127,
+            "speedup": 2.05,
+            "plain_tok_s": 51.3,
+            "dflash_tok_s": 105.2,
+            "identical": True,
+        },
+        "humaneval": {
+            "n": 20,
+            "tau": 4,
+            "speedup": 2.625,
+            "plain_tok_s": 50.0,
+            "dflash_tok_s": 131.25,
+            "identical": False,
+        },
     },
 }
 RECORD = {
@@ -71,8 +83,13 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"], chat_template=CHAT_TEMPLATE,
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        chat_template=CHAT_TEMPLATE,
     )
 
 
@@ -107,8 +124,13 @@ def inputs_dir(work) -> Path:
 @pytest.fixture(scope="module")
 def exported(work, drafter_dir, inputs_dir) -> Path:
     return export_drafter(
-        drafter_dir, work / "repo", TARGET_ID, benchmark_json=inputs_dir / "bench.json",
-        training_record=inputs_dir / "training_record.json", official=True, repo_id=REPO_ID,
+        drafter_dir,
+        work / "repo",
+        TARGET_ID,
+        benchmark_json=inputs_dir / "bench.json",
+        training_record=inputs_dir / "training_record.json",
+        official=True,
+        repo_id=REPO_ID,
     )
 
 
@@ -175,13 +197,20 @@ def remote_process(exported, target_dir, work):
 def test_exported_folder(exported, drafter_dir, remote_process):
     names = {p.name for p in exported.iterdir()}
     assert names == {
-        "config.json", "configuration_dflash.py", "modeling_dflash.py", "model.safetensors", "README.md",
-        "benchmark.json", "training_record.json", "official",
+        "config.json",
+        "configuration_dflash.py",
+        "modeling_dflash.py",
+        "model.safetensors",
+        "README.md",
+        "benchmark.json",
+        "training_record.json",
+        "official",
     }
     config = json.loads((exported / "config.json").read_text())
     assert config["model_type"] == "dflash"
     assert config["auto_map"] == {
-        "AutoConfig": "configuration_dflash.DFlashConfig", "AutoModel": "modeling_dflash.DFlashDraftModel"
+        "AutoConfig": "configuration_dflash.DFlashConfig",
+        "AutoModel": "modeling_dflash.DFlashDraftModel",
     }
     assert json.loads((exported / "benchmark.json").read_text()) == BENCHMARK
     assert json.loads((exported / "training_record.json").read_text()) == RECORD
@@ -192,7 +221,10 @@ def test_exported_folder(exported, drafter_dir, remote_process):
 def test_official_subfolder_loads(exported, drafter_dir):
     official = exported / "official"
     assert {p.name for p in official.iterdir()} == {
-        "config.json", "model.safetensors", "configuration_dflash.py", "modeling_dflash.py"
+        "config.json",
+        "model.safetensors",
+        "configuration_dflash.py",
+        "modeling_dflash.py",
     }  # remote code: AutoModel.from_pretrained(that_folder, trust_remote_code=True) is the drafter
     assert detect_format(official) == "official"
     config = json.loads((official / "config.json").read_text())
@@ -280,7 +312,11 @@ def test_card_without_benchmark_or_record_says_so(bare):
     assert "datasets" not in front_matter(bare / "README.md")
     assert "hf-dflash convert" in text and "official/" not in text  # no official folder to download
     assert {p.name for p in bare.iterdir()} == {
-        "config.json", "configuration_dflash.py", "modeling_dflash.py", "model.safetensors", "README.md"
+        "config.json",
+        "configuration_dflash.py",
+        "modeling_dflash.py",
+        "model.safetensors",
+        "README.md",
     }
 
 
@@ -309,10 +345,18 @@ def test_card_snippet_with_our_package(exported, target_dir, one_thread):
     "layers, expected",
     [
         (dict(), r"\| attention \| 2 full-attention layers: bidirectional inside the block, all context \|"),
-        (dict(layer_types=["sliding_attention", "full_attention"], sliding_window=64),
-         r"1 sliding-window layer \(window 64\): causal inside the block.*SpecForge.*sliding_window_non_causal: false"),
-        (dict(layer_types=["sliding_attention", "sliding_attention"], sliding_window=64, sliding_window_non_causal=True),
-         r"2 sliding-window layers \(window 64\): bidirectional inside the block.*sliding_window_non_causal: true"),
+        (
+            dict(layer_types=["sliding_attention", "full_attention"], sliding_window=64),
+            r"1 sliding-window layer \(window 64\): causal inside the block.*SpecForge.*sliding_window_non_causal: false",
+        ),
+        (
+            dict(
+                layer_types=["sliding_attention", "sliding_attention"],
+                sliding_window=64,
+                sliding_window_non_causal=True,
+            ),
+            r"2 sliding-window layers \(window 64\): bidirectional inside the block.*sliding_window_non_causal: true",
+        ),
     ],
     ids=["full", "sliding_causal", "sliding_bidirectional"],
 )
@@ -360,8 +404,10 @@ def test_training_record_callback(tmp_path, drafter_dir):
     data_dir = tmp_path / "data"
     (data_dir / "corpus").mkdir(parents=True)
     (data_dir / "tokenized").mkdir()
-    per_source = {"gsm8k": {"loaded": 9, "duplicates": 0, "contaminated": 1, "kept": 8, "selected": 6},
-                  "math": {"loaded": 2, "duplicates": 2, "contaminated": 0, "kept": 0, "selected": 0}}
+    per_source = {
+        "gsm8k": {"loaded": 9, "duplicates": 0, "contaminated": 1, "kept": 8, "selected": 6},
+        "math": {"loaded": 2, "duplicates": 2, "contaminated": 0, "kept": 0, "selected": 0},
+    }
     (data_dir / "corpus" / "summary.json").write_text(json.dumps({"per_source": per_source}))
     (data_dir / "tokenized" / "summary.json").write_text(json.dumps({"kept": 5, "supervised_tokens": 640}))
     data = record_data_from_prepare_data(data_dir)
@@ -391,9 +437,20 @@ def test_training_record_callback(tmp_path, drafter_dir):
 
 def test_cli_export_bf16(tmp_path, drafter_dir, inputs_dir, capsys):
     out = tmp_path / "repo"
-    argv = ["export", str(drafter_dir), str(out), "--target-id", TARGET_ID, "--official", "--dtype", "bfloat16",
-            "--benchmark", str(inputs_dir / "bench.json"),
-            "--training-record", str(inputs_dir / "training_record.json")]
+    argv = [
+        "export",
+        str(drafter_dir),
+        str(out),
+        "--target-id",
+        TARGET_ID,
+        "--official",
+        "--dtype",
+        "bfloat16",
+        "--benchmark",
+        str(inputs_dir / "bench.json"),
+        "--training-record",
+        str(inputs_dir / "training_record.json"),
+    ]
     assert main(argv) == 0
     for weights in (out / "model.safetensors", out / "official" / "model.safetensors"):
         assert {tensor.dtype for tensor in load_file(str(weights)).values()} == {torch.bfloat16}
@@ -402,8 +459,20 @@ def test_cli_export_bf16(tmp_path, drafter_dir, inputs_dir, capsys):
 
     (inputs_dir / "bad.json").write_text(json.dumps({**BENCHMARK, "sets": {"gsm8k": {"n": 1}}}))
     capsys.readouterr()
-    assert main(["export", str(drafter_dir), str(tmp_path / "x"), "--target-id", TARGET_ID,
-                 "--benchmark", str(inputs_dir / "bad.json")]) == 1
+    assert (
+        main(
+            [
+                "export",
+                str(drafter_dir),
+                str(tmp_path / "x"),
+                "--target-id",
+                TARGET_ID,
+                "--benchmark",
+                str(inputs_dir / "bad.json"),
+            ]
+        )
+        == 1
+    )
     assert "sets.gsm8k.tau" in capsys.readouterr().err
 
 
@@ -449,7 +518,9 @@ def test_push_calls_the_hub_api(bare, tmp_path, fake_hub, monkeypatch, capsys):
 
 
 def folder_snapshot(folder: Path) -> dict:
-    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+    return {
+        str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()
+    }
 
 
 def http_error(status: int):

@@ -11,8 +11,16 @@ from hf_dflash.modeling_dflash.modeling_dflash import dflash_attention_mask
 
 def tiny_config(**overrides) -> DFlashConfig:
     fields = dict(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, num_target_layers=6, target_layer_ids=[1, 3], mask_token_id=127,
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_target_layers=6,
+        target_layer_ids=[1, 3],
+        mask_token_id=127,
         block_size=4,
     )
     return DFlashConfig(**(fields | overrides))
@@ -26,9 +34,17 @@ def tiny_drafter(**overrides) -> DFlashDraftModel:
 def test_state_dict_keys_are_the_official_ones():
     keys = set(tiny_drafter().state_dict())
     per_layer = [
-        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-        "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-        "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
     ]
     expected = {f"layers.{i}.{name}" for i in range(2) for name in per_layer}
     assert keys == expected | {"norm.weight", "fc.weight", "hidden_norm.weight"}
@@ -63,7 +79,9 @@ def test_config_validation_names_the_value(overrides, message):
 
 
 def test_from_target_config_derives_sizes(tiny_target):
-    config = DFlashConfig.from_target_config(tiny_target.config, num_hidden_layers=3, block_size=8, num_target_features=2)
+    config = DFlashConfig.from_target_config(
+        tiny_target.config, num_hidden_layers=3, block_size=8, num_target_features=2
+    )
     assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (32, 4, 4)
     assert (config.head_dim, config.vocab_size, config.num_target_layers) == (8, 128, 6)
     assert config.target_layer_ids == [1, 3] and config.block_size == 8 and config.num_hidden_layers == 3
@@ -147,7 +165,9 @@ def test_eager_and_sdpa_agree():
         drafter.set_attn_implementation(implementation)
         mask = torch.ones(1, 11, dtype=torch.long)
         mask[:, 0] = 0
-        outputs.append(drafter(noise_embeds=block, context_hidden_states=context, attention_mask=mask).last_hidden_state)
+        outputs.append(
+            drafter(noise_embeds=block, context_hidden_states=context, attention_mask=mask).last_hidden_state
+        )
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
 
 
@@ -166,7 +186,8 @@ def test_sliding_window_mask_is_causal_in_block_and_windowed_on_context():
 
 
 @pytest.mark.parametrize(
-    "num_target_layers, target_layer_ids", [(6, [0, 2, 4]), (6, [5]), (3, [0, 2]), (2, [1])],
+    "num_target_layers, target_layer_ids",
+    [(6, [0, 2, 4]), (6, [5]), (3, [0, 2]), (2, [1])],
     ids=["six_layers", "one_feature", "shallow", "two_layers"],
 )
 def test_from_target_config_honours_explicit_target_layer_ids(tiny_target, num_target_layers, target_layer_ids):

@@ -13,7 +13,6 @@ from transformers import LlamaForCausalLM
 
 from hf_dflash import models
 from hf_dflash.models import KNOWN_TARGETS, MARKER_FILE, MissingTargetPackageError, load_target
-
 from tests.conftest import make_target
 
 NAME = "smollm2-135m-instruct"

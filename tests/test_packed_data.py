@@ -29,7 +29,12 @@ def test_round_trip_incremental_and_counted(tmp_path):
     out = tmp_path / "packed"
     manifest = pack_tokenized(tokenized, out, part="p1", settings=SETTINGS, tokenizer=tok, samples_per_shard=3)
     assert [s["tokenized"] for s in manifest["shards"]] == [["tokenized-00000.jsonl"], ["tokenized-00001.jsonl"]]
-    assert manifest["totals"] == {"samples": 5, "tokens": 20, "supervised_tokens": 15, "per_source": {"gsm8k": 3, "math": 2}}
+    assert manifest["totals"] == {
+        "samples": 5,
+        "tokens": 20,
+        "supervised_tokens": 15,
+        "per_source": {"gsm8k": 3, "math": 2},
+    }
     # a later run packs only what is new
     write_tokenized(tokenized, "tokenized-00002.jsonl", [sample(i, "codeio") for i in range(1)])
     manifest = pack_tokenized(tokenized, out, part="p1", settings=SETTINGS, tokenizer=tok, samples_per_shard=3)
@@ -62,7 +67,6 @@ def test_refusals_name_the_problem(tmp_path):
 
 
 def test_training_reads_a_packed_folder_with_a_sample_limit(tmp_path, run_config):  # noqa: F811
-    import yaml
 
     from hf_dflash.trainer.train import load_train_config, train_from_config
     from tests.test_trainer import samples
@@ -92,13 +96,27 @@ def test_pack_data_command_records_the_run_settings(tmp_path, monkeypatch, capsy
     responses.mkdir()
     (responses / "config.json").write_text(json.dumps({"dtype": "torch.bfloat16", "max_new_tokens": 384}))
     (tokenized / "config.json").write_text(json.dumps({"max_length": 1024}))
-    argv = ["pack-data", "--tokenized", str(tokenized), "--out", str(tmp_path / "packed"), "--part", "p1",
-            "--responses", str(responses), "--note", "a test"]
+    argv = [
+        "pack-data",
+        "--tokenized",
+        str(tokenized),
+        "--out",
+        str(tmp_path / "packed"),
+        "--part",
+        "p1",
+        "--responses",
+        str(responses),
+        "--note",
+        "a test",
+    ]
     assert cli.main(argv) == 0
     assert "2 samples" in capsys.readouterr().out
     settings = read_manifest(tmp_path / "packed")["parts"]["p1"]["settings"]
-    assert settings == {"regeneration": {"dtype": "torch.bfloat16", "max_new_tokens": 384},
-                        "tokenization": {"max_length": 1024}, "note": "a test"}
+    assert settings == {
+        "regeneration": {"dtype": "torch.bfloat16", "max_new_tokens": 384},
+        "tokenization": {"max_length": 1024},
+        "note": "a test",
+    }
     assert cli.main([*argv[:-4], "--responses", str(tmp_path / "nowhere")]) == 1
     assert "does not exist" in capsys.readouterr().err
 

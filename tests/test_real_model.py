@@ -50,7 +50,9 @@ def test_stop_string_completed_inside_a_block(real_target, random_drafter):
     """`stop_strings` met mid-round ends the output where plain decoding ends it."""
     target, tokenizer = real_target
     inputs = chat_ids(tokenizer, PROMPTS[0])
-    free = tokenizer.decode(target.generate(**inputs, do_sample=False, max_new_tokens=40)[0, inputs["input_ids"].shape[1] :])
+    free = tokenizer.decode(
+        target.generate(**inputs, do_sample=False, max_new_tokens=40)[0, inputs["input_ids"].shape[1] :]
+    )
     stop = free.split()[4]  # a word the model writes early on
     kwargs = dict(do_sample=False, max_new_tokens=40, stop_strings=[stop], tokenizer=tokenizer)
     expected = target.generate(**inputs, **kwargs)

@@ -48,7 +48,10 @@ def test_base_comes_first_so_a_variant_overrides_it():
 
 
 def test_warm_start_keeps_its_architecture_and_names_its_start():
-    spec = recipe.with_base("v1:init_from=models/x,training.learning_rate=2e-4", "num_hidden_layers=2,draft_vocab_size=8192,training.eval_strategy=\"no\"")
+    spec = recipe.with_base(
+        "v1:init_from=models/x,training.learning_rate=2e-4",
+        'num_hidden_layers=2,draft_vocab_size=8192,training.eval_strategy="no"',
+    )
     _, sections = train_on_gpu.parse_variant(spec)
     assert sections["drafter"] == {"init_from": "models/x"}  # no architecture keys next to init_from
     assert sections["training"] == {"eval_strategy": "no", "learning_rate": 2e-4}
@@ -174,7 +177,20 @@ def test_offline_subset_holds_out_the_fixed_chats_last_and_refuses_other_setting
         offline_subset.main([*args[:-5], "3", *args[-4:]])
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     with pytest.raises(SystemExit, match="fewer than --eval-samples"):
-        offline_subset.main(["--data", str(packed), "--out", str(tmp_path / "x"), "--samples", "4", "--eval-part", "held", "--eval-samples", "9"])
+        offline_subset.main(
+            [
+                "--data",
+                str(packed),
+                "--out",
+                str(tmp_path / "x"),
+                "--samples",
+                "4",
+                "--eval-part",
+                "held",
+                "--eval-samples",
+                "9",
+            ]
+        )
 
 
 def test_offline_subset_excludes_the_chats_of_earlier_subsets(tmp_path):
@@ -192,14 +208,39 @@ def test_offline_subset_excludes_the_chats_of_earlier_subsets(tmp_path):
     common = ["--data", str(packed), "--eval-part", "held", "--eval-samples", "2"]
     assert offline_subset.main([*common, "--out", str(tmp_path / "first"), "--samples", "3"]) == 0
     first = json.loads((tmp_path / "first" / "subset.json").read_text())
-    assert offline_subset.main([*common, "--out", str(tmp_path / "second"), "--samples", "3", "--seed", "1",
-                                "--exclude", str(tmp_path / "first" / "subset.json")]) == 0
+    assert (
+        offline_subset.main(
+            [
+                *common,
+                "--out",
+                str(tmp_path / "second"),
+                "--samples",
+                "3",
+                "--seed",
+                "1",
+                "--exclude",
+                str(tmp_path / "first" / "subset.json"),
+            ]
+        )
+        == 0
+    )
     second = json.loads((tmp_path / "second" / "subset.json").read_text())
     assert not set(second["train_ids"]) & set(first["train_ids"])
     assert second["settings"]["exclude"] == [{"path": str(tmp_path / "first" / "subset.json"), "train_ids": 3}]
     # 9 chats outside the held-out 2, 3 excluded: 6 left, and asking for more names what is left.
     with pytest.raises(SystemExit, match="the 6 training samples"):
-        offline_subset.main([*common, "--out", str(tmp_path / "third"), "--samples", "7",
-                             "--exclude", str(tmp_path / "first" / "subset.json")])
+        offline_subset.main(
+            [
+                *common,
+                "--out",
+                str(tmp_path / "third"),
+                "--samples",
+                "7",
+                "--exclude",
+                str(tmp_path / "first" / "subset.json"),
+            ]
+        )
     with pytest.raises(SystemExit, match="--exclude .*missing.json"):
-        offline_subset.main([*common, "--out", str(tmp_path / "fourth"), "--samples", "2", "--exclude", str(tmp_path / "missing.json")])
+        offline_subset.main(
+            [*common, "--out", str(tmp_path / "fourth"), "--samples", "2", "--exclude", str(tmp_path / "missing.json")]
+        )

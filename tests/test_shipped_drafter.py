@@ -31,7 +31,9 @@ def test_the_weights_are_bf16_and_within_40_mb():
         "AutoConfig": "configuration_dflash.DFlashConfig",
         "AutoModel": "modeling_dflash.DFlashDraftModel",
     }
-    assert (SHIPPED_DRAFTER / "configuration_dflash.py").is_file() and (SHIPPED_DRAFTER / "modeling_dflash.py").is_file()
+    assert (SHIPPED_DRAFTER / "configuration_dflash.py").is_file() and (
+        SHIPPED_DRAFTER / "modeling_dflash.py"
+    ).is_file()
 
 
 def test_the_remote_code_is_the_package_code():
@@ -68,10 +70,12 @@ def shipped_fp32():
 def test_lossless_and_accepting_on_the_real_target(real_target, shipped_fp32):
     target, tokenizer = real_target
     inputs = tokenizer.apply_chat_template(
-        [{"role": "user", "content": DEMO_PROMPTS["math"]}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        [{"role": "user", "content": DEMO_PROMPTS["math"]}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )
     plain = target.generate(**inputs, do_sample=False, max_new_tokens=64)
     ours = target.generate(**inputs, do_sample=False, max_new_tokens=64, assistant_model=shipped_fp32)
     assert torch.equal(plain, ours)
     assert shipped_fp32.last_acceptance.mean_acceptance_length >= MIN_TAU_ON_DEMO_MATH
-

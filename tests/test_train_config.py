@@ -34,9 +34,17 @@ def run_config(tmp_path):
         "drafter": {"num_hidden_layers": 1, "num_target_features": 2},
         "data": {"tokenized": str(tmp_path / "tokenized"), "eval_samples": 2},
         "training": {
-            "output_dir": str(tmp_path / "drafter"), "block_size": 4, "num_anchors": 4, "max_steps": 4,
-            "per_device_train_batch_size": 2, "save_steps": 2, "report_to": [], "use_cpu": True,
-            "eval_strategy": "steps", "eval_steps": 2, "logging_steps": 1,
+            "output_dir": str(tmp_path / "drafter"),
+            "block_size": 4,
+            "num_anchors": 4,
+            "max_steps": 4,
+            "per_device_train_batch_size": 2,
+            "save_steps": 2,
+            "report_to": [],
+            "use_cpu": True,
+            "eval_strategy": "steps",
+            "eval_steps": 2,
+            "logging_steps": 1,
         },
     }
     path = tmp_path / "train.yaml"
@@ -130,7 +138,10 @@ def edited(run_config, tmp_path, edit, name="edited.yaml"):
         (lambda c: c["data"].update(tokenised="x"), r"data\.tokenised: unknown key.*tokenized"),
         (lambda c: c["training"].update(learning_rte=1e-3), r"training\.learning_rte: unknown key.*learning_rate"),
         (lambda c: c.update(lora={"rank": 8}), r"lora\.rank: unknown key.*\br\b"),
-        (lambda c: c["training"].update(learning_rate="fast"), r"training\.learning_rate: expected float, got str 'fast'"),
+        (
+            lambda c: c["training"].update(learning_rate="fast"),
+            r"training\.learning_rate: expected float, got str 'fast'",
+        ),
         (lambda c: c["training"].update(block_size="4"), r"training\.block_size: expected int, got str '4'"),
         (lambda c: c["training"].update(block_size=True), r"training\.block_size: expected int, got bool"),
         (lambda c: c["drafter"].update(num_hidden_layers=2.5), r"drafter\.num_hidden_layers: expected int, got float"),
@@ -143,9 +154,24 @@ def edited(run_config, tmp_path, edit, name="edited.yaml"):
         (lambda c: c.update(target_dtype="float8"), r"target_dtype: expected one of"),
         (lambda c: c["drafter"].update(init_from="x"), r"drafter\.num_hidden_layers: ignored with drafter\.init_from"),
     ],
-    ids=["drafter_typo", "data_typo", "training_typo", "lora_typo", "float", "int_as_str", "bool_as_int",
-         "float_as_int", "list_item", "data_int", "no_tokenized", "no_output_dir", "no_data", "not_mapping",
-         "dtype", "init_from_with_sizes"],
+    ids=[
+        "drafter_typo",
+        "data_typo",
+        "training_typo",
+        "lora_typo",
+        "float",
+        "int_as_str",
+        "bool_as_int",
+        "float_as_int",
+        "list_item",
+        "data_int",
+        "no_tokenized",
+        "no_output_dir",
+        "no_data",
+        "not_mapping",
+        "dtype",
+        "init_from_with_sizes",
+    ],
 )
 def test_each_config_problem_is_named_with_section_key_and_type(run_config, tmp_path, edit, message):
     with pytest.raises(ValueError, match=message):
@@ -237,7 +263,11 @@ def test_training_seed_seeds_the_drafter_initialisation(run_config, tmp_path):
     def weights(seed, name):
         config = load_train_config(run_config)
         config["training"].update(
-            output_dir=str(tmp_path / name), seed=seed, learning_rate=0.0, max_steps=1, eval_strategy="no",
+            output_dir=str(tmp_path / name),
+            seed=seed,
+            learning_rate=0.0,
+            max_steps=1,
+            eval_strategy="no",
             save_strategy="no",
         )
         train_from_config(config)
@@ -251,10 +281,14 @@ def test_training_seed_seeds_the_drafter_initialisation(run_config, tmp_path):
 def test_evaluation_logs_the_served_tau_estimate_beside_the_uniform_one(run_config):
     trainer = train_from_config(load_train_config(run_config))
     evaluations = [entry for entry in trainer.state.log_history if "eval_served_tau" in entry]
-    assert evaluations and all(entry["eval_served_tau"] >= 1 and entry["eval_all_anchor_tau"] >= 1 for entry in evaluations)
+    assert evaluations and all(
+        entry["eval_served_tau"] >= 1 and entry["eval_all_anchor_tau"] >= 1 for entry in evaluations
+    )
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml")), ids=lambda p: p.name
+)
 def test_committed_training_configs_are_valid(path):
     config = load_train_config(path)  # every key and type checked (config_schema)
     assert config["training"]["output_dir"].startswith("out/")  # runs write to the ignored out/ folder

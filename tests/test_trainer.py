@@ -28,9 +28,19 @@ def samples(count=8, length=24, seed=0):
 
 def arguments(tmp_path, **overrides):
     fields = dict(
-        output_dir=str(tmp_path / "run"), block_size=BLOCK, num_anchors=6, per_device_train_batch_size=2,
-        learning_rate=3e-3, warmup_steps=0, num_train_epochs=1, logging_steps=1, save_strategy="no",
-        report_to=[], use_cpu=True, seed=0, dataloader_drop_last=True,
+        output_dir=str(tmp_path / "run"),
+        block_size=BLOCK,
+        num_anchors=6,
+        per_device_train_batch_size=2,
+        learning_rate=3e-3,
+        warmup_steps=0,
+        num_train_epochs=1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        dataloader_drop_last=True,
     )
     return DFlashTrainingArguments(**(fields | overrides))
 
@@ -42,7 +52,9 @@ def test_packed_training_forward_equals_inference_forward_per_block():
     drafter = make_drafter(target, block_size=BLOCK)
     collator = DFlashDataCollator(BLOCK, num_anchors=5, mask_token_id=drafter.config.mask_token_id, gamma=3.0)
     batch = collator(samples(count=2))
-    features = compute_target_features(target, batch["input_ids"], drafter.config.target_layer_ids, batch["attention_mask"])
+    features = compute_target_features(
+        target, batch["input_ids"], drafter.config.target_layer_ids, batch["attention_mask"]
+    )
     embedding = target.get_input_embeddings()
     with torch.no_grad():
         packed = dflash_training_forward(drafter, embedding, batch, features, drafter.config)
@@ -94,7 +106,9 @@ def test_tiny_end_to_end_training_lowers_loss_and_saves_a_loadable_drafter(tmp_p
     target = make_target("llama")
     drafter = make_drafter(target, block_size=BLOCK)
     data = samples(count=4, length=20) * 8  # the same few sequences: the drafter can fit them
-    trainer = DFlashTrainer(drafter, arguments(tmp_path, num_train_epochs=3, learning_rate=5e-3), target=target, train_dataset=data)
+    trainer = DFlashTrainer(
+        drafter, arguments(tmp_path, num_train_epochs=3, learning_rate=5e-3), target=target, train_dataset=data
+    )
     trainer.train()
     history = [entry for entry in trainer.state.log_history if "loss" in entry]
     print([(round(h["loss"], 3), h["tau"]) for h in history])
@@ -164,8 +178,20 @@ def test_data_parallel_on_two_cpu_processes_equals_one_big_batch(tmp_path):
     single, parallel = tmp_path / "single.safetensors", tmp_path / "parallel.safetensors"
     subprocess.run([sys.executable, worker, str(single), "2"], check=True, timeout=300)
     # --multi_gpu selects the torch.distributed launcher; use_cpu=True in the arguments makes it gloo on CPU
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    launcher = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+    ]
     subprocess.run([*launcher, worker, str(parallel), "1"], check=True, timeout=300)
     expected, actual = load_file(single), load_file(parallel)
     for key in expected:
@@ -204,8 +230,12 @@ def test_offline_features_give_the_online_loss(tmp_path):
     offline = OfflineFeatureDataset(tmp_path / "features", tmp_path / "tok", target_layer_ids=[1, 3], hidden_size=32)
     losses = {}
     for mode, dataset in (("online", data), ("offline", [offline[i] for i in range(4)])):
-        collator = DFlashDataCollator(BLOCK, 6, drafter.config.mask_token_id, 3.0, generator=torch.Generator().manual_seed(0))
-        trainer = DFlashTrainer(drafter, arguments(tmp_path / mode, feature_mode=mode), target=target, data_collator=collator)
+        collator = DFlashDataCollator(
+            BLOCK, 6, drafter.config.mask_token_id, 3.0, generator=torch.Generator().manual_seed(0)
+        )
+        trainer = DFlashTrainer(
+            drafter, arguments(tmp_path / mode, feature_mode=mode), target=target, data_collator=collator
+        )
         batch = collator(dataset)
         with torch.no_grad():
             losses[mode] = trainer.compute_loss(drafter, batch)

@@ -47,7 +47,13 @@ def example_blocks(block_size=4, mask_token_id=9):
     input_ids = torch.tensor([[11, 12, 13, 14, 15, 16, 17, 9]])  # a REAL token 9 == mask id at the end
     loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]])
     anchors, valid = torch.tensor([[2, 5, 0]]), torch.tensor([[True, True, False]])
-    return input_ids, loss_mask, anchors, valid, build_blocks(input_ids, loss_mask, anchors, valid, block_size, mask_token_id, 4.0)
+    return (
+        input_ids,
+        loss_mask,
+        anchors,
+        valid,
+        build_blocks(input_ids, loss_mask, anchors, valid, block_size, mask_token_id, 4.0),
+    )
 
 
 def test_blocks_use_same_position_labels_and_slot_masking():

@@ -105,7 +105,9 @@ def brute_force_path(tree: DraftTree, target_tokens: list[int]) -> list[int]:
     best = [0]
     for node in range(tree.num_nodes):
         path = sorted(ancestors(tree.parents, node))
-        if all(tree.tokens[child] == target_tokens[tree.parents[child]] for child in path[1:]) and len(path) > len(best):
+        if all(tree.tokens[child] == target_tokens[tree.parents[child]] for child in path[1:]) and len(path) > len(
+            best
+        ):
             best = path
     return best
 
@@ -113,8 +115,10 @@ def brute_force_path(tree: DraftTree, target_tokens: list[int]) -> list[int]:
 def test_greedy_tree_path_matches_brute_force_on_random_trees():
     generator = torch.Generator().manual_seed(0)
     for _ in range(300):
-        branches = [torch.randint(0, 3, (int(torch.randint(0, 6, (1,), generator=generator)),), generator=generator)
-                    for _ in range(int(torch.randint(1, 4, (1,), generator=generator)))]
+        branches = [
+            torch.randint(0, 3, (int(torch.randint(0, 6, (1,), generator=generator)),), generator=generator)
+            for _ in range(int(torch.randint(1, 4, (1,), generator=generator)))
+        ]
         tree = merge_branches(0, branches)
         target_tokens = torch.randint(0, 3, (tree.num_nodes,), generator=generator)
         assert greedy_tree_path(tree, target_tokens) == brute_force_path(tree, target_tokens.tolist())
@@ -208,7 +212,9 @@ def test_tree_forward_matches_each_branch_verified_alone(arch, attn):
         sequence = torch.cat([context[:, :-1], tree.tokens[path][None]], 1)
         reference = target(sequence, output_hidden_states=True)
         torch.testing.assert_close(out.logits[0, node], reference.logits[0, -1], rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(out.hidden_states[3][0, node], reference.hidden_states[3][0, -1], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            out.hidden_states[3][0, node], reference.hidden_states[3][0, -1], rtol=1e-4, atol=1e-5
+        )
     keep = [0, 6, 7]  # root -> 30 -> 31 (the third branch: not contiguous in the layout)
     keep_tree_path(cache, tree.num_nodes, keep)
     following = tokens(40, 41)[None]

@@ -37,8 +37,11 @@ def test_tree_round_seconds_add_the_extra_verified_tokens_to_the_round():
 
 @pytest.mark.parametrize(
     "lengths, seconds, match",
-    [((2,), {1: (1.0,)}, "verification_lengths must increase from 1"), ((1, 2), {1: (1.0,)}, "2 positive seconds"),
-     ((1,), {}, "verification_seconds is empty")],
+    [
+        ((2,), {1: (1.0,)}, "verification_lengths must increase from 1"),
+        ((1, 2), {1: (1.0,)}, "2 positive seconds"),
+        ((1,), {}, "verification_seconds is empty"),
+    ],
 )
 def test_cost_model_rejects_malformed_verification_tables(lengths, seconds, match):
     with pytest.raises(ValueError, match=match):

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from ..generation.adaptive import parse_block_size_policy
 from ..dtypes import describe_dtype
+from ..generation.adaptive import parse_block_size_policy
 from .loading import load_bench_models, load_bench_target, machine_description
 from .methods import METHODS, PROMPT_LOOKUP_NUM_TOKENS, check_methods
 from .plots import write_plots

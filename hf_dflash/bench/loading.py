@@ -10,8 +10,8 @@ import torch
 import transformers
 
 from ..checkpoints import load_drafter
-from ..modeling_dflash import DFlashConfig, DFlashDraftModel
 from ..dtypes import AUTO, cpu_flags, resolve_dtype
+from ..modeling_dflash import DFlashConfig, DFlashDraftModel
 from ..models import load_any_target, resolve_device
 
 __all__ = ["RANDOM_DRAFTER", "BenchModels", "load_bench_models", "machine_description", "random_drafter"]
@@ -83,7 +83,7 @@ def _cpu_name() -> str:
 
 
 def _bf16_support() -> str:
-    """"native bf16: amx_bf16, avx512_bf16" or "no native bf16" (the flags decide dtype="auto")."""
+    """ "native bf16: amx_bf16, avx512_bf16" or "no native bf16" (the flags decide dtype="auto")."""
     flags = cpu_flags()
     if flags is None:
         return "CPU flags unreadable"

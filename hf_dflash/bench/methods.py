@@ -68,7 +68,7 @@ class ForwardTimer:
         self.module = module
         self.seconds: list[float] = []
 
-    def __enter__(self) -> "ForwardTimer":
+    def __enter__(self) -> ForwardTimer:
         self.handles = [
             self.module.register_forward_pre_hook(self._start),
             self.module.register_forward_hook(self._stop),
@@ -106,7 +106,7 @@ class ForwardRecorder:
         self.target = target
         self.starts: list[int] = []
 
-    def __enter__(self) -> "ForwardRecorder":
+    def __enter__(self) -> ForwardRecorder:
         self.handle = self.target.register_forward_pre_hook(self._record, with_kwargs=True)
         return self
 
@@ -163,9 +163,7 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def generate_with(
-    method: str, target, drafter, inputs: dict[str, torch.Tensor], generation_kwargs: dict
-) -> Generation:
+def generate_with(method: str, target, drafter, inputs: dict[str, torch.Tensor], generation_kwargs: dict) -> Generation:
     """Run `target.generate(**inputs, **generation_kwargs)` with `method` and time it (wall clock)."""
     if method not in METHODS:
         raise ValueError(f"Unknown method {method!r}; known: {', '.join(METHODS)}.")

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from pathlib import Path
-
 from itertools import islice
+from pathlib import Path
 
 from ..data.corpus import read_prompts_file
 from ..data.sources import load_source, locate, read_jsonl, record

@@ -124,7 +124,8 @@ def format_table(report: dict) -> str:
     dtypes = report["settings"].get("dtypes") or {}
     if dtypes:
         text.append(
-            "dtypes: " + ", ".join(f"{method} {dtype}" for method, dtype in dtypes.items())
+            "dtypes: "
+            + ", ".join(f"{method} {dtype}" for method, dtype in dtypes.items())
             + "; speed-ups are against the faster plain decoding of each set (marked baseline)"
         )
     if report["settings"].get("prompts_run"):
@@ -174,7 +175,10 @@ def format_hybrid_table(report: dict) -> str:
                 f"{stats['speedup'] / best[0]:.2f}" if best and stats["speedup"] else "-",
             )
         )
-    text = ["hybrid: committed tokens by origin, cost per round, and against the better of dflash/lookup", *_columns(lines)]
+    text = [
+        "hybrid: committed tokens by origin, cost per round, and against the better of dflash/lookup",
+        *_columns(lines),
+    ]
     by_size = report[OVERALL]["methods"]["hybrid"]["round_costs"]["by_tree_size"]
     buckets = [("tree nodes", "rounds", "target forward ms")]
     for low, high in TREE_SIZE_BUCKETS:

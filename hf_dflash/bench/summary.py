@@ -91,7 +91,9 @@ def summarize_samples(samples: list[Sample], methods: Sequence[str], block_size:
     for `samples`. Speed-ups are against the baseline: the faster of the plain methods that ran ("plain",
     and "plain-alt" in the other dtype), so a slow dtype never inflates them."""
     plain_rates = {
-        method: summarize_method(samples, method, block_size, None)["tok_s"] for method in methods if method in PLAIN_METHODS
+        method: summarize_method(samples, method, block_size, None)["tok_s"]
+        for method in methods
+        if method in PLAIN_METHODS
     }
     baseline = max(plain_rates, key=plain_rates.get) if plain_rates else None
     baseline_tok_s = plain_rates.get(baseline)

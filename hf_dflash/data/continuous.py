@@ -26,10 +26,10 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from ..generation.batched import MAX_WASTE_FRACTION, cache_waste, compact_cache
 
 
-
 def cache_keyword(model: PreTrainedModel) -> str:
     """Transformers 5.24 renamed the forward's `past_key_values` keyword to `cache` (the old name warns until 5.40)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
 
 __all__ = ["ReservedLayer", "continuous_batching_supported", "continuous_greedy_replies", "merge_caches"]
 
@@ -108,7 +108,9 @@ def left_pad_cache(cache: DynamicCache, width: int) -> None:
         if missing > 0:
             pad = layer.keys.new_zeros(*layer.keys.shape[:2], missing, layer.keys.shape[3])
             keys = torch.cat([pad, layer.keys], dim=2)
-            values = torch.cat([pad.new_zeros(*layer.values.shape[:2], missing, layer.values.shape[3]), layer.values], 2)
+            values = torch.cat(
+                [pad.new_zeros(*layer.values.shape[:2], missing, layer.values.shape[3]), layer.values], 2
+            )
             layer.reset()
             layer.update(keys, values)
 
@@ -137,7 +139,9 @@ def merge_caches(
 def continuous_batching_supported(model: PreTrainedModel) -> bool:
     """False for sliding-window targets: their cache cannot keep holes (a window counts slots)."""
     text = model.config.get_text_config()
-    return not (getattr(text, "sliding_window", None) and "sliding_attention" in (getattr(text, "layer_types", None) or []))
+    return not (
+        getattr(text, "sliding_window", None) and "sliding_attention" in (getattr(text, "layer_types", None) or [])
+    )
 
 
 @torch.no_grad()

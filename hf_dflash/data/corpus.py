@@ -139,7 +139,9 @@ def check_prompts_file(path: str | Path) -> Path:
     path = Path(path)
     if not path.is_file():
         what = "is a folder" if path.is_dir() else "does not exist"
-        raise ValueError(f"The prompts file {path} {what}; give a JSONL file of {{\"prompt\": ...}} or {{\"messages\": [...]}} lines.")
+        raise ValueError(
+            f'The prompts file {path} {what}; give a JSONL file of {{"prompt": ...}} or {{"messages": [...]}} lines.'
+        )
     return path
 
 

@@ -120,7 +120,9 @@ def pack_tokenized(
         manifest = {"format": PACKED_FORMAT, "tokenizer": tok, "parts": {}, "shards": [], "totals": {}}
     recorded = manifest["parts"].get(part)
     if recorded is not None and recorded["settings"] != json.loads(json.dumps(settings)):
-        raise ValueError(f"Part {part!r} of {out} was packed with other settings ({recorded['settings']}); name a new part.")
+        raise ValueError(
+            f"Part {part!r} of {out} was packed with other settings ({recorded['settings']}); name a new part."
+        )
     manifest["parts"].setdefault(part, {"settings": settings})
     done = {(shard["part"], name) for shard in manifest["shards"] for name in shard["tokenized"]}
     seen = {sample_id for sample_id in PackedDataset.ids_of(out, manifest)} if manifest["shards"] else set()
@@ -156,7 +158,9 @@ def pack_tokenized(
     for path in pending:
         for sample in read_jsonl(path):
             if sample["id"] in seen:
-                raise ValueError(f"{path}: sample {sample['id']!r} is packed already in {out}; drop it or use another folder.")
+                raise ValueError(
+                    f"{path}: sample {sample['id']!r} is packed already in {out}; drop it or use another folder."
+                )
             seen.add(sample["id"])
             batch.append(sample)
         names.append(path.name)

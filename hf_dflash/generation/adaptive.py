@@ -166,7 +166,7 @@ class AdaptiveBlockSize:
         if not self.prior_weight > 0:
             raise ValueError(f"AdaptiveBlockSize.prior_weight must be > 0, got {self.prior_weight!r}.")
 
-    def start(self, target: PreTrainedModel, drafter: DFlashDraftModel, batch_size: int) -> "AdaptiveController":
+    def start(self, target: PreTrainedModel, drafter: DFlashDraftModel, batch_size: int) -> AdaptiveController:
         """The controller of one `generate` call (measures or loads the cost model when none was given)."""
         cost_model = self.cost_model
         if cost_model is None:
@@ -211,9 +211,7 @@ def is_block_size(k, max_block_size: int) -> bool:
     return isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= max_block_size
 
 
-def block_size_controller(
-    drafter: DFlashDraftModel, target: PreTrainedModel, batch_size: int
-) -> BlockSizeController:
+def block_size_controller(drafter: DFlashDraftModel, target: PreTrainedModel, batch_size: int) -> BlockSizeController:
     """The controller for one `generate` call from `drafter.block_size_policy`; unset, the policy the
     drafter's config recommends (`DFlashConfig.block_size_policy`); neither: fixed B.
 
@@ -366,7 +364,9 @@ class TreeBudget:
             BranchEstimate(self.max_block_size - 1, replace(self.settings, prior=self.settings.prior * scale))
             for scale in BESIDE_NGRAM_PRIOR_SCALES
         ]
-        self.ngram_estimates = [BranchEstimate(self.max_ngram_tokens, self.settings, chained=False) for _ in MATCH_BUCKETS]
+        self.ngram_estimates = [
+            BranchEstimate(self.max_ngram_tokens, self.settings, chained=False) for _ in MATCH_BUCKETS
+        ]
         if self.cost_model is not None:
             self.seconds = self.cost_model.tree_round_seconds(1, self.max_block_size, self.max_ngram_tokens)
 

@@ -150,7 +150,9 @@ def check_batched_support(cache, drafter: DFlashDraftModel, generation_config: G
     """Refuse, with the reason, what batched DFlash does not support (yet)."""
     if streamer is not None:
         raise ValueError("Streamers need batch size 1 with a DFlash assistant; drop `streamer` or pass one prompt.")
-    wanted = [name for name in ("output_scores", "output_logits", "output_hidden_states") if getattr(generation_config, name)]
+    wanted = [
+        name for name in ("output_scores", "output_logits", "output_hidden_states") if getattr(generation_config, name)
+    ]
     if wanted and generation_config.return_dict_in_generate:
         raise ValueError(f"{', '.join(wanted)} need batch size 1 with a DFlash assistant (batched: sequences only).")
     if not isinstance(cache, DynamicCache):
@@ -165,7 +167,9 @@ def check_batched_support(cache, drafter: DFlashDraftModel, generation_config: G
                 f"reach (up to {reachable} cache slots); generate one prompt at a time."
             )
     if "sliding_attention" in drafter.config.layer_types:
-        raise ValueError("Batched DFlash does not support drafters with sliding-window layers; pass one prompt at a time.")
+        raise ValueError(
+            "Batched DFlash does not support drafters with sliding-window layers; pass one prompt at a time."
+        )
 
 
 def row_copies(sequence: torch.LongTensor, batch_size: int) -> torch.LongTensor:

@@ -184,12 +184,18 @@ class DFlashCandidateGenerator(CandidateGenerator):
         """The block length k and the n-gram drafts (m,) of this round (none without prompt lookup)."""
         if self.prompt_lookup is None:
             return self.controller.choose([0]), input_ids[0, :0]
-        self.ngram_found, match_length = self.prompt_lookup.draft(input_ids[0], self.max_length - input_ids.shape[1] - 1)
+        self.ngram_found, match_length = self.prompt_lookup.draft(
+            input_ids[0], self.max_length - input_ids.shape[1] - 1
+        )
         block_length, num_ngram = self.tree_budget.choose(len(self.ngram_found), block_allowed, match_length)
         return block_length, self.ngram_found[:num_ngram]
 
     def candidates(
-        self, input_ids: torch.LongTensor, drafts: torch.LongTensor, scores: torch.Tensor | None, ngram: torch.LongTensor
+        self,
+        input_ids: torch.LongTensor,
+        drafts: torch.LongTensor,
+        scores: torch.Tensor | None,
+        ngram: torch.LongTensor,
     ) -> tuple[torch.LongTensor, torch.Tensor | None]:
         """Candidates of the round from the block's drafts (1, d) with their scores and the n-gram drafts (m,)."""
         if self.prompt_lookup is not None:
@@ -198,7 +204,9 @@ class DFlashCandidateGenerator(CandidateGenerator):
             return torch.cat([input_ids, drafts], dim=-1), scores
         if not drafts.shape[1]:
             # a deterministic draft: q = one-hot, so rejection sampling accepts it with probability p(draft)
-            one_hot = torch.nn.functional.one_hot(ngram, self.target_vocab_size).float()[None] if self.do_sample else None
+            one_hot = (
+                torch.nn.functional.one_hot(ngram, self.target_vocab_size).float()[None] if self.do_sample else None
+            )
             return torch.cat([input_ids, ngram[None]], dim=-1), one_hot
         if self.do_sample:
             raise RuntimeError("Sampling verifies one branch: the tree budget must not choose both.")
@@ -216,7 +224,9 @@ class DFlashCandidateGenerator(CandidateGenerator):
         block = self.tree.tokens[list(self.tree.branches[0])]
         self.stats.tree_sizes.append(self.tree.num_nodes)
         self.stats.block_tokens.append(agreement(block, committed[:num_matches]))
-        self.stats.ngram_tokens.append(agreement(self.tree.tokens[list(self.tree.branches[1])], committed[:num_matches]))
+        self.stats.ngram_tokens.append(
+            agreement(self.tree.tokens[list(self.tree.branches[1])], committed[:num_matches])
+        )
         # Each branch's drafts against the committed tokens, bonus included: for the n-gram branch also
         # the drafts found but left out of the tree (whether the target would have accepted them).
         block_compared, ngram_compared = min(len(block), len(committed)), min(len(self.ngram_found), len(committed))

@@ -68,7 +68,9 @@ class CostModel:
         object.__setattr__(self, "block_lengths", lengths)
         object.__setattr__(self, "seconds", {rows: tuple(map(float, v)) for rows, v in sorted(self.seconds.items())})
         if self.verification_lengths or self.verification_seconds:
-            verified = check_table("verification_seconds", self.verification_lengths, self.verification_seconds, "token count")
+            verified = check_table(
+                "verification_seconds", self.verification_lengths, self.verification_seconds, "token count"
+            )
             object.__setattr__(self, "verification_lengths", verified)
             table = {rows: tuple(map(float, v)) for rows, v in sorted(self.verification_seconds.items())}
             object.__setattr__(self, "verification_seconds", table)
@@ -80,14 +82,16 @@ class CostModel:
         max_block_size: int,
         verification: Callable[[int], float] | None = None,
         max_verified_tokens: int | None = None,
-    ) -> "CostModel":
+    ) -> CostModel:
         """A batch-1 model from `seconds(k)` at k = 1..max_block_size and, when given, `verification(n)` at
         n = 1..max_verified_tokens (default 2 * max_block_size) (synthetic models in tests)."""
         lengths = tuple(range(1, max_block_size + 1))
         if verification is None:
             return cls(lengths, {1: tuple(seconds(k) for k in lengths)})
         verified = tuple(range(1, (max_verified_tokens or 2 * max_block_size) + 1))
-        return cls(lengths, {1: tuple(seconds(k) for k in lengths)}, verified, {1: tuple(verification(n) for n in verified)})
+        return cls(
+            lengths, {1: tuple(seconds(k) for k in lengths)}, verified, {1: tuple(verification(n) for n in verified)}
+        )
 
     @property
     def has_verification(self) -> bool:
@@ -114,14 +118,17 @@ class CostModel:
         return rounds[:, None] + verify[nodes - 1] - verify[nodes[:, :1] - 1]
 
     def to_dict(self) -> dict:
-        data = {"block_lengths": list(self.block_lengths), "seconds": {str(r): list(v) for r, v in self.seconds.items()}}
+        data = {
+            "block_lengths": list(self.block_lengths),
+            "seconds": {str(r): list(v) for r, v in self.seconds.items()},
+        }
         if self.has_verification:
             data["verification_lengths"] = list(self.verification_lengths)
             data["verification_seconds"] = {str(r): list(v) for r, v in self.verification_seconds.items()}
         return data
 
     @classmethod
-    def from_dict(cls, data: dict) -> "CostModel":
+    def from_dict(cls, data: dict) -> CostModel:
         """Inverse of `to_dict`; ValueError (or KeyError/TypeError) on a malformed dict."""
         return cls(
             tuple(data["block_lengths"]),
@@ -176,7 +183,9 @@ def measured_block_lengths(block_size: int) -> tuple[int, ...]:
 def measured_verification_lengths(block_size: int) -> tuple[int, ...]:
     """The token counts n of the verification pass timed for hybrid drafting: 1, 2, 4, 8, 12, ..., 32 up to
     2B, B and 2B (a tree holds the block and at most about as many n-gram drafts)."""
-    return tuple(sorted({n for n in MEASURED_VERIFICATION_LENGTHS if n <= 2 * block_size} | {block_size, 2 * block_size}))
+    return tuple(
+        sorted({n for n in MEASURED_VERIFICATION_LENGTHS if n <= 2 * block_size} | {block_size, 2 * block_size})
+    )
 
 
 def _synchronize(device: torch.device) -> None:
@@ -223,7 +232,9 @@ def measure_round_seconds(
             draft_cache.set_previous_accepted_tokens(k)
             positions = torch.arange(past, past + 2 * k, device=device).expand(rows, -1)
             hidden = drafter(
-                noise_embeds=embedding(block), context_hidden_states=features[:, :k], position_ids=positions,
+                noise_embeds=embedding(block),
+                context_hidden_states=features[:, :k],
+                position_ids=positions,
                 cache=draft_cache,
             ).last_hidden_state
             drafter.draft_logits(hidden[:, 1:], lm_head).max(-1)

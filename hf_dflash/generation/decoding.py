@@ -25,17 +25,17 @@ import copy
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.generation.candidate_generator import (
     _prepare_attention_mask,
     _prepare_position_ids,
     _prepare_token_type_ids,
 )
-from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .adaptive import block_size_controller, tree_budget
-from .candidate_generator import DFlashCandidateGenerator
 from .batched import batched_dflash_decoding
+from .candidate_generator import DFlashCandidateGenerator
 from .ngram import DEFAULT_MAX_NGRAM_SIZE, PromptLookup
 from .tree import greedy_tree_path, keep_tree_path, process_tree_logits, tree_attention_bias, tree_depths
 from .verification import (
@@ -45,7 +45,6 @@ from .verification import (
     process_block_logits,
     speculative_sample,
 )
-
 
 # Transformers 5.24 renamed the output's `past_key_values` field to `cache`.
 CACHE_FIELD = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
@@ -90,11 +89,18 @@ def dflash_decoding(
             )
         max_ngram_size = generation_config.max_matching_ngram_size
         prompt_lookup = PromptLookup(
-            generation_config.prompt_lookup_num_tokens, DEFAULT_MAX_NGRAM_SIZE if max_ngram_size is None else max_ngram_size
+            generation_config.prompt_lookup_num_tokens,
+            DEFAULT_MAX_NGRAM_SIZE if max_ngram_size is None else max_ngram_size,
         )
     if input_ids.shape[0] > 1:
         sequences, stats = batched_dflash_decoding(
-            model, input_ids, logits_processor, stopping_criteria, generation_config, assistant_model, streamer,
+            model,
+            input_ids,
+            logits_processor,
+            stopping_criteria,
+            generation_config,
+            assistant_model,
+            streamer,
             **model_kwargs,
         )
         if not generation_config.return_dict_in_generate:
@@ -116,7 +122,9 @@ def dflash_decoding(
             assistant_model, model, generation_config, logits_processor, prompt_lookup=prompt_lookup, tree_budget=budget
         )
     # The drafter needs a few layers' hidden states; a caller asking for all of them gets all of them.
-    overrides = {"output_hidden_states": True} if generation_config.output_hidden_states else generator.model_kwargs_overrides
+    overrides = (
+        {"output_hidden_states": True} if generation_config.output_hidden_states else generator.model_kwargs_overrides
+    )
     want_dict = generation_config.return_dict_in_generate
     scores = () if want_dict and generation_config.output_scores else None
     raw_logits = () if want_dict and generation_config.output_logits else None

@@ -101,8 +101,12 @@ def install_generate_hook() -> None:
     @functools.wraps(original_decoding)
     def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs):
         if uses_dflash(kwargs.get("assistant_model"), generation_config):
-            return dflash_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs)
-        return original_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs)
+            return dflash_decoding(
+                self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs
+            )
+        return original_decoding(
+            self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs
+        )
 
     _validate_generation_mode._hf_dflash_original = original_validate
     _assisted_decoding._hf_dflash_original = original_decoding

@@ -11,7 +11,6 @@ a repeated line is drafted to its full length instead of stopping at the text's 
 
 import torch
 
-
 MATCH_BUCKETS = (1, 2, 4)  # match lengths 1, 2-3, >= 4
 
 
@@ -71,7 +70,9 @@ class PromptLookup:
 
     def __init__(self, num_tokens: int, max_ngram_size: int = DEFAULT_MAX_NGRAM_SIZE):
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
-            raise ValueError(f"prompt_lookup_num_tokens must be an int >= 1 (n-gram drafts per round), got {num_tokens!r}.")
+            raise ValueError(
+                f"prompt_lookup_num_tokens must be an int >= 1 (n-gram drafts per round), got {num_tokens!r}."
+            )
         if isinstance(max_ngram_size, bool) or not isinstance(max_ngram_size, int) or max_ngram_size < 1:
             raise ValueError(f"max_matching_ngram_size must be an int >= 1, got {max_ngram_size!r}.")
         self.num_tokens = num_tokens

@@ -14,8 +14,7 @@ def check_pairing(target: PreTrainedModel, drafter: DFlashDraftModel) -> None:
     lm_head = target.get_output_embeddings()
     if embedding is None or lm_head is None:
         raise ValueError(
-            f"{type(target).__name__} has no input embedding or LM head to lend the drafter; "
-            "use a *ForCausalLM target."
+            f"{type(target).__name__} has no input embedding or LM head to lend the drafter; use a *ForCausalLM target."
         )
     if config.target_hidden_size != text.hidden_size:
         raise ValueError(

@@ -49,9 +49,7 @@ def process_block_logits(
     if is_position_independent(logits_processor):
         flat = logits_processor(sequence[:, :start].repeat_interleave(length, 0), logits.reshape(batch * length, vocab))
         return flat.view(batch, length, vocab)
-    return torch.stack(
-        [logits_processor(sequence[:, : start + t], logits[:, t]) for t in range(length)], dim=1
-    )
+    return torch.stack([logits_processor(sequence[:, : start + t], logits[:, t]) for t in range(length)], dim=1)
 
 
 def process_draft_logits(
@@ -118,7 +116,9 @@ def speculative_sample(
     return torch.cat([draft_tokens[0, :n], correction])[None]
 
 
-def count_until_stop(stopping_criteria, sequence: torch.LongTensor, start: int, scores, row: int = 0) -> tuple[int, bool]:
+def count_until_stop(
+    stopping_criteria, sequence: torch.LongTensor, start: int, scores, row: int = 0
+) -> tuple[int, bool]:
     """Number of tokens of sequence[row, start:] to keep: stop at the first prefix that meets a criterion.
 
     sequence (B, L); only `row`'s verdict counts (the batched loop passes copies of one row so that

@@ -119,7 +119,9 @@ def _upload_operations(folder: Path, card: str) -> list[CommitOperationAdd]:
     files = {path.relative_to(folder).as_posix(): path for path in sorted(folder.glob("**/*")) if path.is_file()}
     kept = filter_repo_objects(files, ignore_patterns=DEFAULT_IGNORE_PATTERNS)
     return [
-        CommitOperationAdd(path_in_repo=name, path_or_fileobj=card.encode("utf-8") if name == "README.md" else str(files[name]))
+        CommitOperationAdd(
+            path_in_repo=name, path_or_fileobj=card.encode("utf-8") if name == "README.md" else str(files[name])
+        )
         for name in kept
     ]
 

@@ -179,11 +179,17 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().unique()  # sorted
         size, vocab = self.config.draft_vocab_size, self.config.vocab_size
         if size is None:
-            raise ValueError("This drafter has draft_vocab_size=None (whole vocabulary); build it with draft_vocab_size=N.")
+            raise ValueError(
+                "This drafter has draft_vocab_size=None (whole vocabulary); build it with draft_vocab_size=N."
+            )
         if len(ids) != torch.as_tensor(token_ids).numel() or len(ids) != size:
-            raise ValueError(f"set_draft_vocab needs {size} distinct token ids (draft_vocab_size), got {torch.as_tensor(token_ids).numel()} ({len(ids)} distinct).")
+            raise ValueError(
+                f"set_draft_vocab needs {size} distinct token ids (draft_vocab_size), got {torch.as_tensor(token_ids).numel()} ({len(ids)} distinct)."
+            )
         if ids[0] < 0 or ids[-1] >= vocab:
-            raise ValueError(f"Draft vocabulary ids must lie in [0, vocab_size={vocab}); got {int(ids[0])}..{int(ids[-1])}.")
+            raise ValueError(
+                f"Draft vocabulary ids must lie in [0, vocab_size={vocab}); got {int(ids[0])}..{int(ids[-1])}."
+            )
         self.d2t.copy_(ids.to(self.d2t.device) - torch.arange(size, device=self.d2t.device))
         self.t2d.zero_()
         self.t2d[ids.to(self.t2d.device)] = True

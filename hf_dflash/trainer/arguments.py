@@ -20,7 +20,9 @@ class DFlashTrainingArguments(TrainingArguments):
     )
     loss_decay_gamma: float | None = field(
         default=None,
-        metadata={"help": "Slot weight exp(-(k-1)/gamma). Default: 7 for bs 16, 5 for bs 10, 4 for bs 8, else 7*bs/16."},
+        metadata={
+            "help": "Slot weight exp(-(k-1)/gamma). Default: 7 for bs 16, 5 for bs 10, 4 for bs 8, else 7*bs/16."
+        },
     )
     loss_type: str = field(
         default="ce",

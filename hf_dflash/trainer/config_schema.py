@@ -116,7 +116,12 @@ def _accepts_float(expected) -> bool:
 
 def _coerce(value, expected):
     """YAML-1.1 exponent strings ('6e-4') become floats where a float (and no str) is expected."""
-    if isinstance(value, str) and _EXPONENT_FLOAT.match(value) and _accepts_float(expected) and not _fits(value, expected):
+    if (
+        isinstance(value, str)
+        and _EXPONENT_FLOAT.match(value)
+        and _accepts_float(expected)
+        and not _fits(value, expected)
+    ):
         return float(value)
     return value
 
@@ -188,7 +193,9 @@ def validate_train_config(config, source: str = "config") -> dict:
         if section not in config:
             problems.append(f"{section}: missing section")
     if "target" in config and not isinstance(config["target"], str):
-        problems.append(f"target: expected str (a known target name or a model folder), got {_describe(config['target'])}")
+        problems.append(
+            f"target: expected str (a known target name or a model folder), got {_describe(config['target'])}"
+        )
     dtype = config.get("target_dtype", "float32")
     if not isinstance(dtype, str) or dtype not in TARGET_DTYPES:
         problems.append(f"target_dtype: expected one of {', '.join(TARGET_DTYPES)}, got {_describe(dtype)}")

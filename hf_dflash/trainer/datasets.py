@@ -16,7 +16,9 @@ def validate_sample(sample: object, where: str, vocab_size: int | None = None) -
     if set(mask) - {0, 1}:
         raise ValueError(f"{where}: loss_mask must hold only 0/1, found {sorted(set(mask) - {0, 1})}.")
     if vocab_size is not None and ids and not 0 <= min(ids) <= max(ids) < vocab_size:
-        raise ValueError(f"{where}: token ids outside [0, {vocab_size}) (min {min(ids)}, max {max(ids)}): wrong target?")
+        raise ValueError(
+            f"{where}: token ids outside [0, {vocab_size}) (min {min(ids)}, max {max(ids)}): wrong target?"
+        )
     return {"input_ids": ids, "loss_mask": mask}
 
 

@@ -62,7 +62,9 @@ def init_from_target(drafter, target, source_layers: list[int] | None = None) ->
         mine = dict(draft_layer.named_parameters())
         for name in LAYER_WEIGHTS + tuple(n for n in OPTIONAL_WEIGHTS if n in source):
             if name not in source:
-                raise ValueError(f"Target layer {index} has no {name}; init_from_target supports Llama/Qwen-style layers.")
+                raise ValueError(
+                    f"Target layer {index} has no {name}; init_from_target supports Llama/Qwen-style layers."
+                )
             if source[name].shape != mine[name].shape:
                 raise ValueError(
                     f"{name}: target layer {index} has shape {tuple(source[name].shape)}, the draft layer "

@@ -4,7 +4,6 @@ Shapes: B = batch, S = sequence length, A = anchors per sequence, bs = block siz
 Blocks are laid out anchor-major: flat index a * bs + k is slot k of anchor a.
 """
 
-
 import torch
 import torch.nn.functional as F
 
@@ -107,7 +106,9 @@ def build_training_mask(
     return torch.cat([context, own_block], dim=-1)[:, None]
 
 
-def training_mask_mod(anchor_positions: torch.LongTensor, anchor_valid: torch.BoolTensor, seq_len: int, block_size: int):
+def training_mask_mod(
+    anchor_positions: torch.LongTensor, anchor_valid: torch.BoolTensor, seq_len: int, block_size: int
+):
     """The rule of `build_training_mask` as a flex-attention `mask_mod(b, h, q_idx, kv_idx)`: query q is
     slot q % bs of block q // bs; key kv < S is context position kv, key kv >= S is block token kv - S."""
 

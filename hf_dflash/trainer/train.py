@@ -36,16 +36,16 @@ from transformers import set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..checkpoints import load_drafter
+from ..data.packed import PackedDataset, is_packed, source_of
 from ..hub_cards import TrainingRecordCallback, record_data_from_prepare_data
 from ..json_files import write_json_atomic
 from ..modeling_dflash import DFlashConfig, DFlashDraftModel
 from ..models import load_any_target
 from .arguments import DFlashTrainingArguments
-from ..data.packed import PackedDataset, is_packed, source_of
 from .config_schema import validate_train_config
 from .datasets import TokenizedDataset
-from .initialization import init_from_target
 from .draft_vocab import draft_vocab_report, select_draft_vocab, supervised_token_counts
+from .initialization import init_from_target
 from .trainer import DFlashTrainer
 
 FINISHED_RUN_NAME = "finished_run.json"
@@ -104,7 +104,11 @@ def finished_run(output_dir: Path, config: dict) -> dict | None:
         record = json.loads((output_dir / FINISHED_RUN_NAME).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
-    if isinstance(record, dict) and record.get("config") == _json_config(config) and (output_dir / "config.json").is_file():
+    if (
+        isinstance(record, dict)
+        and record.get("config") == _json_config(config)
+        and (output_dir / "config.json").is_file()
+    ):
         return record
     return None
 
@@ -137,8 +141,10 @@ def build_datasets(section: dict, args: DFlashTrainingArguments, drafter: DFlash
         from .offline_features import OfflineFeatureDataset
 
         dataset = OfflineFeatureDataset(
-            section["features"], section["tokenized"],
-            target_layer_ids=drafter.config.target_layer_ids, hidden_size=drafter.config.target_hidden_size,
+            section["features"],
+            section["tokenized"],
+            target_layer_ids=drafter.config.target_layer_ids,
+            hidden_size=drafter.config.target_hidden_size,
         )
     elif is_packed(section["tokenized"]):  # a packed folder (e.g. the repository's data/): token ids + masks
         dataset = PackedDataset(section["tokenized"], vocab_size=vocab_size, parts=section.get("parts"))
@@ -163,14 +169,20 @@ def held_out_indices(dataset, count: int, part: str | None = None, parts: list[s
     if part is None:
         return list(range(max(len(dataset) - count, 0), len(dataset)))
     if not isinstance(dataset, PackedDataset):
-        raise ValueError(f"data.eval_part needs a packed folder (hf-dflash pack-data); {dataset.__class__.__name__} has no parts.")
+        raise ValueError(
+            f"data.eval_part needs a packed folder (hf-dflash pack-data); {dataset.__class__.__name__} has no parts."
+        )
     if part not in dataset.part_names:
-        raise ValueError(f"data.eval_part={part!r}: the packed folder has no such part; it has {', '.join(dataset.part_names)}.")
+        raise ValueError(
+            f"data.eval_part={part!r}: the packed folder has no such part; it has {', '.join(dataset.part_names)}."
+        )
     if parts is not None and part not in parts:
         raise ValueError(f"data.eval_part={part!r} is not among data.parts={parts}; add it there.")
     indices = [i for i, name in enumerate(dataset.parts) if name == part]
     if not 1 <= count <= len(indices):
-        raise ValueError(f"data.eval_samples={count} must be between 1 and the size of part {part}: {part} has {len(indices)} samples.")
+        raise ValueError(
+            f"data.eval_samples={count} must be between 1 and the size of part {part}: {part} has {len(indices)} samples."
+        )
     return indices[:count]
 
 

@@ -8,11 +8,11 @@ from transformers import PreTrainedModel, Trainer
 
 from ..hub_cards import TAGS as CARD_TAGS
 from ..hub_cards import TRAINING_RECORD_NAME, render_model_card
-from ..models import KNOWN_TARGETS
-
 from ..modeling_dflash import DFlashConfig, DFlashDraftModel
+from ..models import KNOWN_TARGETS
 from .arguments import DFlashTrainingArguments
 from .collator import DFlashDataCollator
+from .consistency import served_tau_estimate
 from .maths import (
     acceptance_estimate,
     build_training_block_mask,
@@ -22,7 +22,6 @@ from .maths import (
     weighted_cross_entropy_sum,
     weighted_kl_sum,
 )
-from .consistency import served_tau_estimate
 from .target_features import compute_target_features, compute_target_features_and_logits
 
 
@@ -55,7 +54,10 @@ def check_training_pairing(target: PreTrainedModel, drafter: DFlashDraftModel) -
     """Sizes, vocab and layer ids must fit (dtype/device may differ in training, e.g. a bf16 target)."""
     text = target.config.get_text_config()
     config = drafter.config
-    if config.target_hidden_size != text.hidden_size or config.vocab_size != target.get_input_embeddings().weight.shape[0]:
+    if (
+        config.target_hidden_size != text.hidden_size
+        or config.vocab_size != target.get_input_embeddings().weight.shape[0]
+    ):
         raise ValueError(
             f"Drafter (target_hidden_size={config.target_hidden_size}, vocab_size={config.vocab_size}) does not fit "
             f"the target (hidden_size={text.hidden_size}, embedding rows={target.get_input_embeddings().weight.shape[0]}): "
@@ -126,7 +128,9 @@ class DFlashTrainer(Trainer):
             if "target_hidden_states" not in inputs:
                 raise ValueError("feature_mode='offline' needs batches with target_hidden_states (cached features).")
             return inputs["target_hidden_states"]
-        return compute_target_features(self.target, inputs["input_ids"], self.target_layer_ids, inputs["attention_mask"])
+        return compute_target_features(
+            self.target, inputs["input_ids"], self.target_layer_ids, inputs["attention_mask"]
+        )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         drafter = self.accelerator.unwrap_model(model)
@@ -223,7 +227,9 @@ class DFlashTrainer(Trainer):
         ratios = sums.pop("ratios", {})
         for name, (hits, total) in ratios.items():
             if self.args.world_size > 1:
-                hits, total = self.accelerator.reduce(torch.stack([hits, total]).to(self.args.device), reduction="sum").cpu()
+                hits, total = self.accelerator.reduce(
+                    torch.stack([hits, total]).to(self.args.device), reduction="sum"
+                ).cpu()
             logs[("eval_" if split == "eval" else "") + name] = round(float(hits / total.clamp_min(1)), 4)
         if "correct" in sums:
             packed = torch.cat([sums["correct"], sums["supervised"], sums["tau"]]).to(self.args.device)

@@ -10,9 +10,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # A checkpoint's config.json must state these: the class defaults describe Qwen3-8B, and a drafter
 # run with another mask row or other target layers drafts garbage without any error.
 CHECKPOINT_REQUIRED_FIELDS = ("mask_token_id", "target_layer_ids")
-SILENT_FALLBACK = (
-    "engines and older loaders silently fall back to a default and acceptance collapses with no error"
-)
+SILENT_FALLBACK = "engines and older loaders silently fall back to a default and acceptance collapses with no error"
 # Official-layout (model_type "qwen3" + dflash_config) fields copied as they are.
 OFFICIAL_DECODER_FIELDS = (
     "hidden_size",
