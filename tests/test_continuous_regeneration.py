@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from hf_dflash.data.continuous import continuous_greedy_replies, merge_caches
-from hf_dflash.generation.batched import compact_cache
+from hf_dflash.caches import compact_cache, merge_caches
+from hf_dflash.data.continuous import continuous_greedy_replies
 
 from .conftest import make_target
 
@@ -74,7 +74,7 @@ def test_bad_settings_are_refused():
 def test_reserved_layer_behaves_like_a_dynamic_layer_without_a_copy_per_step():
     from transformers.cache_utils import DynamicLayer
 
-    from hf_dflash.data.continuous import ReservedLayer
+    from hf_dflash.caches import ReservedLayer
 
     torch.manual_seed(0)
     reserved, dynamic = ReservedLayer(reserve=4), DynamicLayer()
@@ -106,7 +106,8 @@ def test_reserved_layer_behaves_like_a_dynamic_layer_without_a_copy_per_step():
 
 
 def test_the_regeneration_cache_reserves_slots():
-    from hf_dflash.data.continuous import ReservedLayer, prefill
+    from hf_dflash.caches import ReservedLayer
+    from hf_dflash.data.continuous import prefill
 
     cache, mask, first = prefill(make_target("qwen3"), PROMPTS[:3], pad_id=0)
     assert all(isinstance(layer, ReservedLayer) for layer in cache.layers)

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from hf_dflash import DFlashGenerateOutput
-from hf_dflash.generation.batched import MAX_WASTE_FRACTION, cache_waste, compact_cache
+from hf_dflash.caches import MAX_WASTE_FRACTION, cache_waste, compact_cache
 from tests.conftest import ARCHITECTURES, COMMON, VOCAB, OracleDrafter, make_drafter, make_target
 
 PAD = COMMON["pad_token_id"]

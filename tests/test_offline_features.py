@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from hf_dflash.cli import main
+from hf_dflash.target_features import compute_target_features
 from hf_dflash.trainer import offline_features
 from hf_dflash.trainer.offline_features import OfflineFeatureDataset, cache_features, target_fingerprint
-from hf_dflash.trainer.target_features import compute_target_features
 from tests.conftest import make_target
 
 LAYER_IDS = [1, 3]

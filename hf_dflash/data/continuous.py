@@ -16,124 +16,14 @@ are built for GPUs, so this module does the same with the ordinary cache instead
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
 import torch
 from transformers import PreTrainedModel
-from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from ..generation.batched import MAX_WASTE_FRACTION, cache_waste, compact_cache
+from ..caches import cache_keyword, compact_cache, merge_caches, needs_compaction, reserved_cache
 
-
-def cache_keyword(model: PreTrainedModel) -> str:
-    """Transformers 5.24 renamed the forward's `past_key_values` keyword to `cache` (the old name warns until 5.40)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-__all__ = ["ReservedLayer", "continuous_batching_supported", "continuous_greedy_replies", "merge_caches"]
-
-# Free slots each regeneration cache layer keeps: a regrowth (one copy of the layer) every this many steps.
-RESERVED_SLOTS = 128
-
-
-class ReservedLayer(DynamicLayer):
-    """A `DynamicLayer` whose keys/values (B, H, T, D) are views of buffers with `reserve` free slots.
-
-    `DynamicLayer.update` concatenates, copying the whole layer at every decoding step: on a 2-core
-    CPU core, 32 rows of ~700 cached tokens spend 48 ms per SmolLM2 step in those copies (a whole step of
-    32 rows over 400 cached tokens measured 150 ms). Here a
-    step writes into the free slots and the buffers are regrown (by `reserve` slots) only when full;
-    selecting rows keeps the free slots. Anything else that replaces `keys`/`values` (crop, reset,
-    offloading) works as in `DynamicLayer`: the next update simply copies once into a new buffer.
-    """
-
-    def __init__(self, reserve: int = RESERVED_SLOTS):
-        if reserve < 1:
-            raise ValueError(f"reserve must be a positive number of slots, got {reserve}.")
-        self.reserve = reserve
-        self.key_buffer = self.value_buffer = None  # (B, H, capacity, D)
-        super().__init__()
-
-    def holds_current_states(self) -> bool:
-        """Whether `keys`/`values` are still the leading slots of the buffers (not replaced since)."""
-        return self.key_buffer is not None and all(
-            states.dim() == 4
-            and states.data_ptr() == buffer.data_ptr()
-            and states.stride() == buffer.stride()
-            and states.shape[0] == buffer.shape[0]
-            for states, buffer in ((self.keys, self.key_buffer), (self.values, self.value_buffer))
-        )
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        length, new = self.get_seq_length(), key_states.shape[-2]
-        if not self.holds_current_states() or length + new > self.key_buffer.shape[2]:
-            capacity = length + new + self.reserve
-            self.key_buffer = key_states.new_empty(*key_states.shape[:2], capacity, key_states.shape[3])
-            self.value_buffer = value_states.new_empty(*value_states.shape[:2], capacity, value_states.shape[3])
-            if length:
-                self.key_buffer[:, :, :length] = self.keys
-                self.value_buffer[:, :, :length] = self.values
-        self.key_buffer[:, :, length : length + new] = key_states
-        self.value_buffer[:, :, length : length + new] = value_states
-        self.keys = self.key_buffer[:, :, : length + new]
-        self.values = self.value_buffer[:, :, : length + new]
-        return self.keys, self.values
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if not self.holds_current_states():
-            return super().batch_select_indices(indices)
-        length = self.get_seq_length()
-        self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
-        self.keys, self.values = self.key_buffer[:, :, :length], self.value_buffer[:, :, :length]
-
-    def reset(self) -> None:
-        self.key_buffer = self.value_buffer = None
-        super().reset()
-
-
-def reserved_cache(model: PreTrainedModel, reserve: int = RESERVED_SLOTS) -> DynamicCache:
-    """A `DynamicCache` for `model` whose full-attention layers are `ReservedLayer`s."""
-    cache = DynamicCache(config=model.config)
-    cache.layers = [ReservedLayer(reserve) if type(layer) is DynamicLayer else layer for layer in cache.layers]
-    return cache
-
-
-def left_pad_cache(cache: DynamicCache, width: int) -> None:
-    """Grow every layer of `cache` to `width` slots by zero slots on the left (keys/values (B, H, T, D))."""
-    for layer in cache.layers:
-        missing = width - layer.keys.shape[2]
-        if missing > 0:
-            pad = layer.keys.new_zeros(*layer.keys.shape[:2], missing, layer.keys.shape[3])
-            keys = torch.cat([pad, layer.keys], dim=2)
-            values = torch.cat(
-                [pad.new_zeros(*layer.values.shape[:2], missing, layer.values.shape[3]), layer.values], 2
-            )
-            layer.reset()
-            layer.update(keys, values)
-
-
-def merge_caches(
-    cache: DynamicCache, mask: torch.Tensor, other: DynamicCache, other_mask: torch.Tensor
-) -> torch.Tensor:
-    """Append `other`'s rows to `cache` (in place), left-padding the shorter one; returns the merged mask.
-
-    mask (B, T), other_mask (B', T'): 1 on real slots. Returns (B + B', max(T, T')).
-    """
-    width = max(mask.shape[1], other_mask.shape[1])
-    left_pad_cache(cache, width)
-    left_pad_cache(other, width)
-    for layer, extra in zip(cache.layers, other.layers):
-        keys, values = torch.cat([layer.keys, extra.keys]), torch.cat([layer.values, extra.values])
-        layer.reset()
-        layer.update(keys, values)
-
-    def pad(m: torch.Tensor) -> torch.Tensor:
-        return torch.cat([m.new_zeros(m.shape[0], width - m.shape[1]), m], dim=1)
-
-    return torch.cat([pad(mask), pad(other_mask)])
+__all__ = ["continuous_batching_supported", "continuous_greedy_replies"]
 
 
 def continuous_batching_supported(model: PreTrainedModel) -> bool:
@@ -219,7 +109,7 @@ def continuous_greedy_replies(
             rows, positions, last, mask = rows[keep], positions[keep], last[keep], mask[keep]
             if len(rows):
                 cache.batch_select_indices(keep)
-                if cache_waste(mask) > MAX_WASTE_FRACTION * mask.shape[1]:
+                if needs_compaction(mask):
                     mask = compact_cache(cache, mask)
             else:
                 cache, mask = None, None

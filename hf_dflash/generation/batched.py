@@ -28,11 +28,13 @@ as plain `generate` does.
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import DynamicCache
 
+from ..caches import compact_cache, needs_compaction
 from ..modeling_dflash import DFlashDraftModel
+from ..target_features import target_layer_features
 from .adaptive import block_size_controller
-from .candidate_generator import AcceptanceStats, target_layer_features
+from .candidate_generator import AcceptanceStats
 from .pairing import check_pairing
 from .verification import (
     count_until_stop,
@@ -42,43 +44,6 @@ from .verification import (
     process_draft_logits,
     speculative_sample,
 )
-
-# Compact a cache when more than this fraction of its slots lies beyond the tightest layout.
-MAX_WASTE_FRACTION = 0.25
-
-
-def cache_waste(mask: torch.Tensor) -> int:
-    """Slots of a rectangular cache beyond the tightest left-padded layout of its rows.
-
-    mask (B, T): 1 where a slot holds a token of that row. Returns T - max_b(valid slots of row b).
-    """
-    return mask.shape[1] - int(mask.sum(1).max())
-
-
-def needs_compaction(mask: torch.Tensor) -> bool:
-    return cache_waste(mask) > MAX_WASTE_FRACTION * mask.shape[1]
-
-
-def compact_cache(cache: Cache, mask: torch.Tensor) -> torch.Tensor:
-    """Keep each row's valid slots of every layer, in order, left-padded to the longest row.
-
-    Layers hold keys/values (B, H, T, D); mask (B, T). Returns the new mask (B, T'), T' = max valid.
-    Layers are refilled through their own `reset` + `update`, so their bookkeeping (the cumulative
-    length of sliding-window layers) stays consistent.
-    """
-    valid = mask.bool()
-    width = int(valid.sum(1).max())
-    # A stable sort of the 0/1 mask puts invalid slots first and keeps the order of the valid ones.
-    order = torch.sort(valid.int(), dim=1, stable=True).indices[:, mask.shape[1] - width :]  # (B, T')
-    for layer in cache.layers:
-        if not layer.is_initialized:
-            continue
-        index = order.to(layer.keys.device)[:, None, :, None]
-        keys = layer.keys.gather(2, index.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
-        values = layer.values.gather(2, index.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
-        layer.reset()
-        layer.update(keys, values)
-    return valid.gather(1, order).to(mask.dtype)
 
 
 class BatchedDrafter:

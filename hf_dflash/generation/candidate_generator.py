@@ -11,6 +11,7 @@ from transformers.cache_utils import DFlashCache
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..modeling_dflash import DFlashDraftModel
+from ..target_features import target_layer_features
 from .adaptive import BlockSizeController, FixedBlockSize, TreeBudget
 from .ngram import PromptLookup
 from .pairing import check_pairing
@@ -53,11 +54,6 @@ class AcceptanceStats:
         for length in self.acceptance_lengths:
             counts[length - 1] += 1
         return counts
-
-
-def target_layer_features(hidden_states: tuple, target_layer_ids: list[int], rows: int) -> torch.Tensor:
-    """(B, rows, n*Ht): outputs of the selected target layers (h[i + 1]) for the first `rows` tokens."""
-    return torch.cat([hidden_states[i + 1][:, :rows] for i in target_layer_ids], dim=-1)
 
 
 class DFlashCandidateGenerator(CandidateGenerator):

@@ -15,7 +15,6 @@ time hybrid drafting runs with a pair, and stored in the same file.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import logging
 import statistics
@@ -29,6 +28,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import DFlashCache, DynamicCache
 
+from ..caches import cache_keyword
 from ..json_files import write_json_atomic
 from ..modeling_dflash import DFlashDraftModel
 
@@ -217,8 +217,7 @@ def measure_round_seconds(
     embedding, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     context_length = max(context_length, max(block_lengths))
     token_ids = (torch.arange(rows * context_length, device=device) * 7919 % embedding.num_embeddings).view(rows, -1)
-    # Transformers 5.24 names the cache argument `cache`, 5.23 `past_key_values`.
-    cache_name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+    cache_name = cache_keyword(target)
     cache = DynamicCache(config=target.config)
     outputs = target(input_ids=token_ids, use_cache=True, output_hidden_states=hidden_request, **{cache_name: cache})
     features = torch.cat([outputs.hidden_states[i + 1] for i in layer_ids], -1)  # (rows, context, n*Ht)
@@ -275,7 +274,7 @@ def measure_verification_seconds(
     vocab = target.get_input_embeddings().num_embeddings
     context_length = max(context_length, max(lengths))
     token_ids = (torch.arange(rows * 2 * context_length, device=device) * 7919 % vocab).view(rows, -1)
-    cache_name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+    cache_name = cache_keyword(target)
     cache = DynamicCache(config=target.config)
     target(input_ids=token_ids[:, :context_length], use_cache=True, **{cache_name: cache})
     # the cost does not depend on the tree's shape: time a chain-shaped one

@@ -1,3 +1,4 @@
+from ..target_features import compute_target_features
 from .arguments import DFlashTrainingArguments
 from .collator import DFlashDataCollator
 from .datasets import TokenizedDataset
@@ -11,7 +12,6 @@ from .maths import (
     weighted_cross_entropy_sum,
 )
 from .offline_features import OfflineFeatureDataset, cache_features, target_fingerprint
-from .target_features import compute_target_features
 from .trainer import DFlashTrainer, dflash_training_forward
 
 __all__ = [

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..target_features import compute_target_features
 from .maths import build_blocks
-from .target_features import compute_target_features
 
 __all__ = ["ServedTauEstimate", "anchor_taus", "reply_spans", "served_tau_estimate", "walk_served_rounds"]
 

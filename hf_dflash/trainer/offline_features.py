@@ -43,8 +43,8 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ..packaged_files import file_sha256
+from ..target_features import compute_target_features
 from .datasets import validate_sample
-from .target_features import compute_target_features
 
 __all__ = ["FORMAT_VERSION", "OfflineFeatureDataset", "cache_features", "target_fingerprint"]
 

@@ -10,6 +10,7 @@ from ..hub_cards import TAGS as CARD_TAGS
 from ..hub_cards import TRAINING_RECORD_NAME, render_model_card
 from ..modeling_dflash import DFlashConfig, DFlashDraftModel
 from ..models import KNOWN_TARGETS
+from ..target_features import compute_target_features, compute_target_features_and_logits
 from .arguments import DFlashTrainingArguments
 from .collator import DFlashDataCollator
 from .consistency import served_tau_estimate
@@ -22,7 +23,6 @@ from .maths import (
     weighted_cross_entropy_sum,
     weighted_kl_sum,
 )
-from .target_features import compute_target_features, compute_target_features_and_logits
 
 
 def dflash_training_forward(

@@ -1,9 +1,16 @@
-"""The target side of training: one causal forward, keep only the drafter's layers."""
+"""The target's features for the drafter: the outputs of its `target_layer_ids` layers, concatenated.
+
+Serving reads them from the verification forward (`target_layer_features`); training runs one causal
+forward over a whole chat (`compute_target_features`).
+"""
 
 import torch
 from transformers import PreTrainedModel
 
-from ..generation.candidate_generator import target_layer_features
+
+def target_layer_features(hidden_states: tuple, target_layer_ids: list[int], rows: int) -> torch.Tensor:
+    """(B, rows, n*Ht): outputs of the selected target layers (h[i + 1]) for the first `rows` tokens."""
+    return torch.cat([hidden_states[i + 1][:, :rows] for i in target_layer_ids], dim=-1)
 
 
 @torch.no_grad()
