@@ -456,7 +456,7 @@ def register_bench(subparsers) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from .generation.batch_cli import run_generate
+    from .generate_command import run_generate
 
     run_generate(args)
     return 0

@@ -19,12 +19,11 @@ from hf_dflash.generation.adaptive import (
     parse_block_size_policy,
     update_acceptance_counts,
 )
-from hf_dflash.generation.cost_model import (
-    CostModel,
+from hf_dflash.generation.cost_model import CostModel, measured_block_lengths
+from hf_dflash.generation.cost_timing import (
     cost_model_key,
     cost_model_path,
     measure_round_seconds,
-    measured_block_lengths,
     measured_cost_model,
 )
 from tests.conftest import ARCHITECTURES, VOCAB, OracleDrafter, make_drafter, make_target

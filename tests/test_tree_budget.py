@@ -6,15 +6,15 @@ import json
 import pytest
 import torch
 
-from hf_dflash.generation.adaptive import AdaptiveBlockSize, FixedBlockSize, TreeBudget, best_tree_size
-from hf_dflash.generation.cost_model import (
-    CostModel,
+from hf_dflash.generation.adaptive import AdaptiveBlockSize, FixedBlockSize
+from hf_dflash.generation.cost_model import CostModel, measured_verification_lengths
+from hf_dflash.generation.cost_timing import (
     cost_model_key,
     cost_model_path,
     measure_verification_seconds,
     measured_cost_model,
-    measured_verification_lengths,
 )
+from hf_dflash.generation.hybrid import TreeBudget, best_tree_size
 from tests.conftest import make_drafter, make_target
 from tests.test_adaptive import FakeMeasure
 
@@ -157,7 +157,7 @@ def test_real_verification_measurement_is_positive_and_leaves_rng_alone():
 def test_copy_estimates_keep_unreached_slots_at_the_prior():
     """The n-gram branch's slots shrink toward the prior each on its own (a copy right for its first drafts
     tends to stay right); a model's slots shrink toward the slot before them."""
-    from hf_dflash.generation.adaptive import BranchEstimate
+    from hf_dflash.generation.hybrid import BranchEstimate
 
     settings = AdaptiveBlockSize(decay=1.0)
     copy, model = BranchEstimate(3, settings, chained=False), BranchEstimate(3, settings)

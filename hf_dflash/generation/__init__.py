@@ -1,8 +1,9 @@
 from .adaptive import AdaptiveBlockSize
-from .candidate_generator import AcceptanceStats, DFlashCandidateGenerator
+from .candidate_generator import DFlashCandidateGenerator
 from .cost_model import CostModel
 from .decoding import DFlashGenerateOutput, dflash_decoding
 from .pairing import check_pairing
+from .stats import AcceptanceStats
 
 __all__ = [
     "AcceptanceStats",

@@ -1,53 +1,72 @@
-"""The DFlash decoding loop that `generate` runs when the assistant is a DFlash drafter.
+"""The one DFlash decoding loop that `generate` runs when the assistant is a DFlash drafter.
 
-It keeps `generate`'s own preparation (generation config, logits processors, stopping criteria,
-cache, streamer) and the `CandidateGenerator` contract, and replaces the built-in assisted loop
-(Transformers 5.23-5.24) where that loop is not lossless or not lean enough for DFlash:
-  - every stopping criterion (EOS, stop strings, max time, custom) is checked after EACH committed
-    token, so a stop met inside an accepted block ends the output exactly where plain decoding does;
-  - drafts never extend past `max_length`;
-  - target logits processors run once over the block when they do not read input_ids;
-  - `return_dict_in_generate` with `output_hidden_states`/`output_scores`/`output_logits` works;
-  - acceptance statistics are returned (`DFlashGenerateOutput.acceptance_lengths`) and kept on the
-    drafter (`drafter.last_acceptance`);
-  - the block length may change every round (`drafter.block_size_policy`, see `adaptive.py`);
-  - hybrid drafting (`prompt_lookup_num_tokens` beside the DFlash assistant, batch size 1): the block
-    and an n-gram continuation are verified as one draft tree in ONE target forward (greedy), or the
-    branch is chosen before verification (sampling, or targets that cannot take a tree mask). A chain
-    is the tree of one branch, so this is the same loop: only the mask/positions of the forward, the
-    acceptance walk and the cache gather differ, and after acceptance everything is laid out along
-    the accepted path (`tree.py`).
-A batch of several (left-padded) prompts runs `batched.batched_dflash_decoding`: one drafter pass
-and one target pass per round for all rows.
+It keeps `generate`'s own preparation (generation config, logits processors, stopping criteria, cache,
+streamer) and serves any batch size. Every round is the same five steps over the active rows:
+
+    draft    one drafter pass drafts a block `[bonus, MASK x (k-1)]` for every row (`drafting.py`);
+             hybrid drafting (batch 1) joins an n-gram continuation as a second branch of a tree
+    verify   ONE target forward over [unread tokens, drafts] (the prompt on the first round; a tree
+             forward with its mask and depth positions when two branches drafted)
+    accept   the longest prefix each row's target agrees with (greedy; trees: the longest path), or
+             Leviathan rejection sampling (`verification.py`)
+    commit   each row's tokens one by one up to its first stop (EOS, stop string, length, time, custom),
+             so a stop met inside an accepted block ends the output exactly where plain decoding does
+    rollback the cache slots of rejected drafts become holes (batch N: masked like left padding, the
+             tail common to all rows cropped, compacted when holes pile up) or are cropped (batch 1);
+             the accepted slots' target features become the drafter's next context
+
+Batch 1 is the case where every slot is valid. Lossless by construction: a row sees exactly the keys
+and positions plain decoding gives it, and every token it commits is the target's own choice
+(greedy) or distributed as the target's (sampling). Beyond Transformers' built-in loop (5.23-5.24):
+any batch size; drafts never extend past `max_length`; logits processors run once over a block when
+they do not read input_ids; `return_dict_in_generate` with scores, logits and hidden states (batch 1);
+acceptance statistics (`DFlashGenerateOutput.acceptance_lengths`, `drafter.last_acceptance`); a block
+length chosen each round (`drafter.block_size_policy`, `adaptive.py`).
 """
 
-import copy
+from __future__ import annotations
+
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
-from transformers.generation.candidate_generator import (
-    _prepare_attention_mask,
-    _prepare_position_ids,
-    _prepare_token_type_ids,
-)
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.cache_utils import DynamicCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .adaptive import block_size_controller, tree_budget
-from .batched import batched_dflash_decoding
-from .candidate_generator import DFlashCandidateGenerator
-from .ngram import DEFAULT_MAX_NGRAM_SIZE, PromptLookup
-from .tree import greedy_tree_path, keep_tree_path, process_tree_logits, tree_attention_bias, tree_depths
+from ..caches import compact_cache, needs_compaction
+from ..modeling_dflash import DFlashDraftModel
+from ..target_features import target_layer_features
+from .adaptive import block_size_controller
+from .drafting import BlockDrafter, Drafts
+from .hybrid import HybridDrafting
+from .pairing import check_pairing
+from .stats import AcceptanceStats
+from .tree import DraftTree, greedy_tree_path, keep_tree_path, process_tree_logits, tree_attention_bias, tree_depths
 from .verification import (
+    accepted_lengths,
     count_until_stop,
-    greedy_accept,
     greedy_tokens,
-    process_block_logits,
-    speculative_sample,
+    process_rows,
+    row_copies,
+    sample_rows,
 )
 
 # Transformers 5.24 renamed the output's `past_key_values` field to `cache`.
 CACHE_FIELD = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+
+
+@dataclass
+class Verdict:
+    """What the target decided in a round: new_tokens (B, d+1), row b's valid up to n_b + 1; num_accepted
+    n_b (B,); the processed and raw target logits (B, d+1, V) and the forward's hidden states, laid out
+    along the accepted path when a tree was verified (`path`: its nodes, root first)."""
+
+    new_tokens: torch.LongTensor
+    num_accepted: torch.LongTensor
+    processed: torch.Tensor
+    raw_logits: torch.Tensor
+    hidden_states: tuple
+    path: list[int] | None = None
 
 
 @dataclass
@@ -71,194 +90,343 @@ def dflash_decoding(
     tokenizer=None,
     **model_kwargs,
 ):
-    """Same signature and return types as `GenerationMixin._assisted_decoding`.
+    """Same signature and return types as `GenerationMixin._assisted_decoding`, for any batch size
+    (left-padded prompts with their attention mask)."""
+    check_decoding_options(model, input_ids.shape[0], generation_config, streamer)
+    check_pairing(model, assistant_model)
+    cache_key = "cache" if "cache" in model_kwargs else "past_key_values"
+    cache = model_kwargs.get(cache_key)
+    check_cache(cache, assistant_model, generation_config, input_ids.shape[0])
+    cache.activate_past_recording()  # sliding-window layers must be able to roll back rejected drafts
+    with torch.no_grad():
+        loop = DecodingLoop(model, assistant_model, logits_processor, stopping_criteria, generation_config, streamer)
+        sequences = loop.run(input_ids, cache_key, model_kwargs)
+    assistant_model.last_acceptance = loop.stats
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    return DFlashGenerateOutput(
+        sequences=sequences,
+        scores=loop.scores,
+        logits=loop.raw_logits,
+        hidden_states=loop.hidden_states,
+        # rows that finished early left the cache: it is returned only when it still holds every row
+        **{CACHE_FIELD: cache if input_ids.shape[0] == 1 else None},
+        acceptance_lengths=list(loop.stats.acceptance_lengths),
+    )
 
-    Batch size > 1 (left-padded prompts with their attention mask) runs `batched_dflash_decoding`.
-    """
+
+def check_decoding_options(model, batch_size: int, generation_config, streamer) -> None:
+    """Refuse, with the reason, what DFlash decoding does not support."""
     if generation_config.output_attentions:
         raise ValueError("output_attentions=True is not supported with a DFlash assistant; drop it.")
     if model.config.is_encoder_decoder:
         raise ValueError("DFlash drafters serve decoder-only targets; this target is encoder-decoder.")
-    prompt_lookup = None
+    if batch_size == 1:
+        return
     if generation_config.prompt_lookup_num_tokens is not None:
-        if input_ids.shape[0] > 1:
-            raise ValueError(
-                f"Hybrid drafting (prompt_lookup_num_tokens={generation_config.prompt_lookup_num_tokens} with a DFlash "
-                f"assistant) supports batch size 1, got {input_ids.shape[0]} prompts: generate them one by one, or "
-                "drop prompt_lookup_num_tokens for batched DFlash."
-            )
-        max_ngram_size = generation_config.max_matching_ngram_size
-        prompt_lookup = PromptLookup(
-            generation_config.prompt_lookup_num_tokens,
-            DEFAULT_MAX_NGRAM_SIZE if max_ngram_size is None else max_ngram_size,
+        raise ValueError(
+            f"Hybrid drafting (prompt_lookup_num_tokens={generation_config.prompt_lookup_num_tokens} with a DFlash "
+            f"assistant) supports batch size 1, got {batch_size} prompts: generate them one by one, or "
+            "drop prompt_lookup_num_tokens for batched DFlash."
         )
-    if input_ids.shape[0] > 1:
-        sequences, stats = batched_dflash_decoding(
-            model,
-            input_ids,
-            logits_processor,
-            stopping_criteria,
-            generation_config,
-            assistant_model,
-            streamer,
-            **model_kwargs,
-        )
-        if not generation_config.return_dict_in_generate:
-            return sequences
-        return DFlashGenerateOutput(sequences=sequences, acceptance_lengths=list(stats.acceptance_lengths))
-    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if streamer is not None:
+        raise ValueError("Streamers need batch size 1 with a DFlash assistant; drop `streamer` or pass one prompt.")
+    wanted = [
+        name for name in ("output_scores", "output_logits", "output_hidden_states") if getattr(generation_config, name)
+    ]
+    if wanted and generation_config.return_dict_in_generate:
+        raise ValueError(f"{', '.join(wanted)} need batch size 1 with a DFlash assistant (batched: sequences only).")
+
+
+def check_cache(cache, drafter: DFlashDraftModel, generation_config: GenerationConfig, batch_size: int) -> None:
+    """The target cache must exist; with several rows it must be a DynamicCache whose sliding windows (if
+    any) generation cannot reach, since the holes of rejected drafts would shift a window (a window counts
+    slots), and the drafter must have no sliding-window layers for the same reason."""
     if cache is None:
         raise ValueError("DFlash generation needs a target cache; do not pass use_cache=False.")
-    cache.activate_past_recording()  # sliding-window layers must be able to roll back rejected drafts
-
-    if prompt_lookup is None:
-        controller = block_size_controller(assistant_model, model, batch_size=1)
-        generator = DFlashCandidateGenerator(assistant_model, model, generation_config, logits_processor, controller)
-    else:
-        max_nodes = assistant_model.config.block_size + prompt_lookup.num_tokens
-        one_branch = bool(generation_config.do_sample) or not verifies_trees(model, cache, generation_config, max_nodes)
-        budget = tree_budget(assistant_model, model, prompt_lookup.num_tokens, one_branch)
-        generator = DFlashCandidateGenerator(
-            assistant_model, model, generation_config, logits_processor, prompt_lookup=prompt_lookup, tree_budget=budget
+    if batch_size == 1:
+        return
+    if not isinstance(cache, DynamicCache):
+        raise ValueError(f"Batched DFlash needs a DynamicCache for the target, got {type(cache).__name__}.")
+    reachable = 2 * generation_config.max_length + drafter.config.block_size
+    for layer in cache.layers:
+        window = getattr(layer, "sliding_window", None)
+        if layer.is_sliding and window is not None and window <= reachable:
+            raise ValueError(
+                f"Batched DFlash does not support a target sliding window ({window} tokens) that generation can "
+                f"reach (up to {reachable} cache slots); generate one prompt at a time."
+            )
+    if "sliding_attention" in drafter.config.layer_types:
+        raise ValueError(
+            "Batched DFlash does not support drafters with sliding-window layers; pass one prompt at a time."
         )
-    # The drafter needs a few layers' hidden states; a caller asking for all of them gets all of them.
-    overrides = (
-        {"output_hidden_states": True} if generation_config.output_hidden_states else generator.model_kwargs_overrides
-    )
-    want_dict = generation_config.return_dict_in_generate
-    scores = () if want_dict and generation_config.output_scores else None
-    raw_logits = () if want_dict and generation_config.output_logits else None
-    hidden_states = () if want_dict and generation_config.output_hidden_states else None
 
-    outputs, is_first_iteration, num_matches, stopped = None, True, 0, False
-    while not stopped:
-        cur_len = input_ids.shape[1]
-        candidate_ids, draft_scores = generator.get_candidates(
-            input_ids,
-            model_kwargs=model_kwargs,
-            model_outputs=outputs,
-            is_first_iteration=is_first_iteration,
-            n_last_matches=num_matches,
-        )
-        num_drafts = candidate_ids.shape[1] - cur_len
-        tree = generator.tree if generator.tree is not None and not generator.tree.is_chain else None
 
-        # Verify: one target forward over [bonus, drafts] (the whole prompt on the first round).
-        candidate_kwargs = _prepare_attention_mask(copy.copy(model_kwargs), candidate_ids.shape[1], False)
-        candidate_kwargs = _prepare_token_type_ids(candidate_kwargs, candidate_ids.shape[1])
-        if candidate_kwargs.get("position_ids") is not None and num_drafts > 0:
-            new_length = num_drafts + candidate_kwargs["position_ids"].shape[-1]
-            candidate_kwargs = _prepare_position_ids(candidate_kwargs, new_length, False)
-        model_inputs = model.prepare_inputs_for_generation(
-            candidate_ids,
-            next_sequence_length=None if is_first_iteration else num_drafts + 1,
-            is_first_iteration=is_first_iteration,
-            **candidate_kwargs,
-        )
+class DecodingLoop:
+    """The state of one `generate` call: each row's committed tokens, the target cache's validity mask, the
+    drafter's pending context, statistics and the optional outputs; `run` performs the rounds."""
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        drafter: DFlashDraftModel,
+        logits_processor,
+        stopping_criteria,
+        generation_config: GenerationConfig,
+        streamer=None,
+    ):
+        self.target, self.drafter = target, drafter
+        self.logits_processor, self.stopping_criteria = logits_processor, stopping_criteria
+        self.generation_config, self.streamer = generation_config, streamer
+        self.do_sample = bool(generation_config.do_sample)
+        self.block = BlockDrafter(drafter, target)
+        self.layer_ids = list(drafter.config.target_layer_ids)
+        # The drafter needs a few layers' hidden states; a caller asking for all of them gets all of them.
+        wants_all = bool(generation_config.output_hidden_states)
+        self.hidden_request = {"output_hidden_states": True if wants_all else [i + 1 for i in self.layer_ids]}
+        self.stats = AcceptanceStats(block_size=drafter.config.block_size)
+        want_dict = generation_config.return_dict_in_generate
+        self.scores = () if want_dict and generation_config.output_scores else None
+        self.raw_logits = () if want_dict and generation_config.output_logits else None
+        self.hidden_states = () if want_dict and wants_all else None
+        # With an EOS criterion plain `generate` pads finished rows; without one they keep decoding.
+        self.pad_finished = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
+        pad = generation_config._pad_token_tensor
+        self.pad = int(pad) if pad is not None else 0
+        self.cap = generation_config.max_length  # without EOS padding: the common final length once all stopped
+
+    def run(self, input_ids: torch.LongTensor, cache_key: str, model_kwargs: dict) -> torch.LongTensor:
+        """Decode the left-padded prompts (B, P); returns the sequences (B, L) as plain `generate` does."""
+        batch, prompt_length = input_ids.shape
+        self.batch_size, self.cache_key, self.cache = batch, cache_key, model_kwargs[cache_key]
+        self.sequences = input_ids.new_full((batch, self.generation_config.max_length), self.pad)
+        self.sequences[:, :prompt_length] = input_ids  # row b's tokens are sequences[b, :lengths[b]]
+        self.lengths = [prompt_length] * batch
+        self.stop_lengths: dict[int, int] = {}  # row -> length at which a stopping criterion was met
+        self.rows = list(range(batch))  # original row of each active entry
+        hybrid = self.generation_config.prompt_lookup_num_tokens is not None
+        self.hybrid = HybridDrafting(self.drafter, self.target, self.generation_config, self.cache) if hybrid else None
+        self.controller = None if hybrid else block_size_controller(self.drafter, self.target, batch_size=batch)
+        self.target_mask = input_ids.new_zeros(batch, 0)  # (B, T) validity of the target cache's slots
+        self.context, self.context_mask = None, None  # target features the drafter has not read yet
+
+        # Round 0 is the prefill: it reads the whole prompt (and, hybrid, may verify n-gram drafts).
+        unread = input_ids  # (B, u) committed tokens the target has not read
+        unread_mask = model_kwargs.get("attention_mask")
+        if unread_mask is None:
+            unread_mask = input_ids.new_ones(batch, prompt_length)
+        prefill = True
+        while True:
+            prefixes = [self.sequences[row, : self.lengths[row]] for row in self.rows]
+            drafts, tree, block_length = self.draft(prefixes, prefill)
+            counts_as_round = not prefill or drafts.tokens.shape[1] > 0
+            if counts_as_round:
+                self.stats.block_sizes.append(block_length)
+                self.stats.first_round_in_prefill |= prefill
+            outputs = self.verify(unread, unread_mask, drafts, tree, prefill, model_kwargs)
+            verdict = self.accept(prefixes, drafts, tree, outputs)
+            committed = self.commit(verdict, counts_as_round)
+            if self.controller is not None and counts_as_round:
+                self.controller.observe(self.rows, drafts.tokens.shape[1], verdict.num_accepted)
+            if self.hybrid is not None and counts_as_round:
+                start = self.lengths[0] - int(committed[0])
+                self.hybrid.observe(self.sequences[0, start : self.lengths[0]], self.stats)
+            if self.batch_size == 1:
+                self.record_outputs(int(committed[0]), verdict, prefill)
+            self.rollback(committed, unread_mask, drafts.tokens.shape[1], tree, verdict)
+            if not self.prune():
+                break
+            unread = torch.stack([self.sequences[row, self.lengths[row] - 1] for row in self.rows])[:, None]
+            unread_mask = unread.new_ones(unread.shape)
+            prefill = False
+        if self.streamer is not None:
+            self.streamer.end()
+        width = max(min(length, self.cap) for length in self.lengths)
+        return self.sequences[:, :width]
+
+    # --- the steps of a round ---
+
+    def draft(self, prefixes: list[torch.LongTensor], prefill: bool) -> tuple[Drafts, DraftTree | None, int]:
+        """The round's drafts (B, d), the tree they form (hybrid, two branches; else None) and the block
+        length k. The prefill drafts no block (the drafter needs the prompt's features first). A block of
+        k tokens drafts k - 1 tokens for every row, never past the longest row's limit."""
+        ngram = None
+        if self.hybrid is not None:
+            block_length, ngram = self.hybrid.plan(prefixes[0], block_allowed=not prefill)
+        else:
+            block_length = 1 if prefill else self.controller.choose(self.rows)
+        num_drafts = max(0, min(block_length - 1, max(self.cap - self.lengths[row] - 1 for row in self.rows)))
+        bonus = torch.stack([prefix[-1] for prefix in prefixes])
+        drafts = Drafts(bonus.new_empty(len(self.rows), 0))
+        if num_drafts:
+            hidden = self.block.draft_hidden(bonus, self.context, self.context_mask, block_length)[:, :num_drafts]
+            self.context = None  # the drafter has read it
+            drafts = self.block.draft(
+                hidden, self.do_sample, self.logits_processor, self.batch_size, self.rows, prefixes
+            )
+        if ngram is None or (prefill and not len(ngram)):
+            return drafts, None, block_length
+        drafts = self.hybrid.candidates(int(bonus[0]), drafts, ngram)
+        tree = None if self.hybrid.tree.is_chain else self.hybrid.tree
+        return drafts, tree, block_length
+
+    def verify(self, unread, unread_mask, drafts: Drafts, tree: DraftTree | None, prefill: bool, model_kwargs):
+        """ONE target forward over [unread (B, u), drafts (B, d)] with the hidden states the drafter needs.
+
+        The prefill goes through `prepare_inputs_for_generation` with `generate`'s own model kwargs, as plain
+        decoding's first step does; later rounds give each row its positions (its number of valid slots)
+        and a 2D mask of the valid slots. A tree (batch 1) sees its context and its ancestors only."""
+        tokens = torch.cat([unread, drafts.tokens], 1)
+        num_drafts = drafts.tokens.shape[1]
+        if prefill:
+            kwargs = dict(model_kwargs)
+            if kwargs.get("attention_mask") is not None:
+                kwargs["attention_mask"] = torch.cat([unread_mask, unread_mask.new_ones(drafts.tokens.shape)], 1)
+            if kwargs.get("position_ids") is not None and num_drafts:
+                last = kwargs["position_ids"][:, -1:]
+                kwargs["position_ids"] = torch.cat(
+                    [kwargs["position_ids"], last + 1 + torch.arange(num_drafts, device=last.device)], 1
+                )
+            model_inputs = self.target.prepare_inputs_for_generation(tokens, is_first_iteration=True, **kwargs)
+        else:
+            fresh = torch.cat([unread_mask, unread_mask.new_ones(drafts.tokens.shape)], 1)
+            model_inputs = self.target.prepare_inputs_for_generation(
+                tokens,
+                attention_mask=torch.cat([self.target_mask, fresh], 1),
+                position_ids=self.target_mask.sum(1, keepdim=True) + fresh.cumsum(1) - 1,
+                use_cache=True,
+                **{self.cache_key: self.cache},
+            )
         if "logits_to_keep" in model_inputs:
             model_inputs["logits_to_keep"] = num_drafts + 1
-        model_inputs |= overrides
+        model_inputs |= self.hidden_request
         if tree is not None:  # each node sees the context and its ancestors, at position root + depth
-            model_inputs |= tree_inputs(model, model_inputs, tree, cur_len)
-        outputs = model(**model_inputs)
+            model_inputs |= tree_inputs(self.target, model_inputs, tree, self.target_mask.shape[1])
+        return self.target(**model_inputs)
 
-        target_logits = outputs.logits[:, -num_drafts - 1 :].float()
+    def accept(self, prefixes, drafts: Drafts, tree: DraftTree | None, outputs) -> Verdict:
+        """The tokens each row commits, as the target decides. A tree's outputs come laid out along its
+        accepted path, as if it had been a chain."""
+        num_drafts = drafts.tokens.shape[1]
+        raw_logits = outputs.logits[:, -num_drafts - 1 :].float()
+        hidden = outputs.hidden_states
         if tree is not None:  # greedy: the longest accepted path through the tree
-            processed = process_tree_logits(logits_processor, input_ids, tree, target_logits)
+            processed = process_tree_logits(self.logits_processor, prefixes[0][None], tree, raw_logits)
             path = greedy_tree_path(tree, greedy_tokens(processed[0]))
-            # From here on the round is laid out along the accepted path, as if it had been a chain.
-            target_logits, processed = target_logits[:, path], processed[:, path]
-            outputs.hidden_states = tuple(None if h is None else h[:, path] for h in outputs.hidden_states)
-            new_tokens = greedy_tokens(processed)
+            raw_logits, processed = raw_logits[:, path], processed[:, path]
+            hidden = tuple(None if h is None else h[:, path] for h in hidden)
+            return Verdict(greedy_tokens(processed), torch.tensor([len(path) - 1]), processed, raw_logits, hidden, path)
+        processed = process_rows(self.logits_processor, self.batch_size, self.rows, prefixes, drafts.tokens, raw_logits)
+        if self.do_sample:
+            new_tokens, num_accepted = sample_rows(drafts.tokens, drafts.scores, processed.softmax(-1))
         else:
-            processed = process_block_logits(logits_processor, candidate_ids, target_logits, start=cur_len)
-            if generation_config.do_sample:
-                target_probs = processed.softmax(-1)
-                if num_drafts:
-                    new_tokens = speculative_sample(candidate_ids[:, cur_len:], draft_scores, target_probs)
-                else:
-                    new_tokens = torch.multinomial(target_probs[0], 1).view(1, -1)
-            else:
-                new_tokens = greedy_accept(candidate_ids[:, cur_len:], greedy_tokens(processed))
+            new_tokens = greedy_tokens(processed)  # (B, d+1): the target's token after each prefix
+            num_accepted = accepted_lengths(drafts.tokens, new_tokens)
+        return Verdict(new_tokens, num_accepted, processed, raw_logits, hidden)
 
-        # Commit token by token up to the first stop (EOS, stop string, length, time, custom).
-        sequence = torch.cat([input_ids, new_tokens], dim=-1)
-        kept, stopped = count_until_stop(stopping_criteria, sequence, cur_len, scores)
-        input_ids = sequence[:, : cur_len + kept]
-        num_matches = kept - 1
-        if streamer is not None:
-            streamer.put(input_ids[:, cur_len:].cpu())
-        # The target cache holds cur_len + num_drafts tokens; drop those after the last accepted draft.
+    def commit(self, verdict: Verdict, counts_as_round: bool) -> torch.LongTensor:
+        """Write each row's new tokens, one by one up to its first stop, as plain decoding would; returns
+        the tokens each row committed this round (B,) (rows without EOS padding keep decoding after their
+        stop until every row has stopped, as in plain `generate`; the output then ends at the last stop)."""
+        starts = list(self.lengths)
+        for i, row in enumerate(self.rows):
+            start = self.lengths[row]
+            tokens = verdict.new_tokens[i, : int(verdict.num_accepted[i]) + 1][: self.cap - start]
+            end = start + len(tokens)
+            self.sequences[row, start:end] = tokens
+            if row not in self.stop_lengths:
+                copies = row_copies(self.sequences[row, :end], self.batch_size)
+                kept, stopped = count_until_stop(self.stopping_criteria, copies, start, self.scores, row=row)
+                if stopped:
+                    self.stop_lengths[row] = start + kept
+                    if self.pad_finished:
+                        self.sequences[row, start + kept : end] = self.pad
+                        end = start + kept
+            self.lengths[row] = end
+        if not self.pad_finished and len(self.stop_lengths) == self.batch_size:
+            self.cap = max(self.stop_lengths.values())  # plain decoding stops when the last row does
+        committed = [min(self.lengths[row], self.cap) - starts[row] for row in self.rows]
+        if counts_as_round:
+            self.stats.acceptance_lengths.extend(committed)
+        if self.streamer is not None:
+            self.streamer.put(self.sequences[:1, starts[0] : starts[0] + committed[0]].cpu())
+        return torch.tensor(committed)
+
+    def record_outputs(self, kept: int, verdict: Verdict, prefill: bool) -> None:
+        """Scores, logits and hidden states of the committed tokens, one entry per token (batch 1)."""
+        if self.scores is not None:
+            self.scores += tuple(verdict.processed[:, i] for i in range(kept))
+        if self.raw_logits is not None:
+            self.raw_logits += tuple(verdict.raw_logits[:, i] for i in range(kept))
+        if self.hidden_states is not None:
+            prompt_length = self.lengths[0] - kept
+            self.hidden_states += split_hidden_states(verdict.hidden_states, prompt_length, kept, prefill)
+
+    def rollback(self, committed, unread_mask, num_drafts: int, tree: DraftTree | None, verdict: Verdict) -> None:
+        """Keep the cache slots of the unread tokens and of the committed drafts, drop or mask the rest, and
+        hand the target features of the kept slots to the drafter's pending context."""
+        valid_drafts = (committed - 1).clamp_min(0).to(unread_mask.device)  # the last committed token is unread
         if tree is not None:
-            keep_tree_path(cache, tree.num_nodes, path[: num_matches + 1])
+            kept = int(committed[0])
+            keep_tree_path(self.cache, tree.num_nodes, verdict.path[:kept])
+            slot_valid = unread_mask.new_ones(1, kept)
         else:
-            cache.crop(-(num_drafts - num_matches))
-        model_kwargs = model._update_model_kwargs_for_generation(
-            outputs, model_kwargs, is_encoder_decoder=False, num_new_tokens=kept
-        )
-        if not is_first_iteration or num_drafts:  # a round (hybrid: the prefill may verify n-gram drafts)
-            generator.update_candidate_strategy(input_ids, processed, num_matches)
+            slots = torch.arange(num_drafts, device=unread_mask.device)
+            slot_valid = torch.cat([unread_mask, (slots < valid_drafts[:, None]).to(unread_mask.dtype)], 1)
+            used = unread_mask.shape[1] + int(valid_drafts.max())  # later slots are rejected in every row
+            if used < slot_valid.shape[1]:
+                self.cache.crop(used - slot_valid.shape[1])
+            slot_valid = slot_valid[:, :used]
+        self.target_mask = torch.cat([self.target_mask, slot_valid], 1)
+        features = target_layer_features(verdict.hidden_states, self.layer_ids, slot_valid.shape[1])
+        if self.context is None:
+            self.context, self.context_mask = features, slot_valid
+        else:
+            self.context = torch.cat([self.context, features], 1)
+            self.context_mask = torch.cat([self.context_mask, slot_valid], 1)
 
-        if scores is not None:
-            scores += tuple(processed[:, i] for i in range(kept))
-        if raw_logits is not None:
-            raw_logits += tuple(target_logits[:, i] for i in range(kept))
-        if hidden_states is not None:
-            hidden_states += split_hidden_states(outputs.hidden_states, cur_len, kept, is_first_iteration)
-        is_first_iteration = False
-
-    if streamer is not None:
-        streamer.end()
-    assistant_model.last_acceptance = generator.stats
-    if not want_dict:
-        return input_ids
-    return DFlashGenerateOutput(
-        sequences=input_ids,
-        scores=scores,
-        logits=raw_logits,
-        hidden_states=hidden_states,
-        **{CACHE_FIELD: cache},
-        acceptance_lengths=list(generator.stats.acceptance_lengths),
-    )
-
-
-def verifies_trees(model, cache, generation_config, max_nodes: int) -> bool:
-    """Whether the target can verify a draft tree in one forward: an attention that takes our 4D mask
-    (eager, SDPA) and a DynamicCache whose layers are full attention, or sliding windows that generation
-    cannot reach (the tree mask does not encode a window)."""
-    if model.config._attn_implementation not in ("eager", "sdpa") or type(cache) is not DynamicCache:
-        return False
-    reachable = generation_config.max_length + max_nodes
-    for layer in cache.layers:
-        if type(layer) is DynamicSlidingWindowLayer and layer.sliding_window <= reachable:
+    def prune(self) -> bool:
+        """Drop the rows that finished (EOS padding, or the final length); False when none is left."""
+        finished = [
+            (self.pad_finished and row in self.stop_lengths) or self.lengths[row] >= self.cap for row in self.rows
+        ]
+        keep = [i for i, done in enumerate(finished) if not done]
+        if not keep:
             return False
-        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
-            return False
-    return True
+        index = None
+        if len(keep) < len(self.rows):
+            index = torch.tensor(keep, device=self.target_mask.device)
+            self.cache.batch_select_indices(index)
+            self.target_mask = self.target_mask[index]
+            self.context, self.context_mask = self.context[index], self.context_mask[index]
+            self.rows = [self.rows[i] for i in keep]
+        self.block.prune(index)
+        if needs_compaction(self.target_mask):
+            self.target_mask = compact_cache(self.cache, self.target_mask)
+        return True
 
 
-def tree_inputs(model, model_inputs: dict, tree, cur_len: int) -> dict:
-    """The 4D attention mask and per-node position ids of a tree forward over the last N candidates.
-
-    The root (the bonus token) sits where a chain's first token would: the position the chain inputs give
-    it, or the cache length; node i at root + depth(i). Context slots masked out by a 2D attention mask
-    (padding) stay masked."""
-    past = cur_len - 1
+def tree_inputs(model, model_inputs: dict, tree: DraftTree, past: int) -> dict:
+    """The 4D attention mask and per-node position ids of a tree forward over N nodes after `past` cached
+    slots. The root (the bonus token) sits where a chain's first token would (the position the chain
+    inputs give it); node i at root + depth(i). Context slots masked out by the 2D mask stay masked."""
     device = model_inputs["input_ids"].device
     bias = tree_attention_bias(tree.parents, past, model.dtype, device)
     mask = model_inputs.get("attention_mask")
     if mask is not None and mask.dim() == 2 and not bool(mask[0, :past].all()):
-        bias[..., :past] = bias[..., :past].masked_fill(~mask[0, :past].bool().to(device), torch.finfo(model.dtype).min)
-    positions = model_inputs.get("position_ids")
-    root = int(positions[0, -tree.num_nodes]) if positions is not None else past
+        visible = mask[0, :past].bool().to(device)
+        bias[..., :past] = bias[..., :past].masked_fill(~visible, torch.finfo(model.dtype).min)
+    root = int(model_inputs["position_ids"][0, -tree.num_nodes])
     return {"attention_mask": bias, "position_ids": (root + tree_depths(tree.parents)).to(device)[None]}
 
 
-def split_hidden_states(layer_states: tuple, cur_len: int, kept: int, is_first_iteration: bool) -> tuple:
+def split_hidden_states(layer_states: tuple, prompt_length: int, kept: int, prefill: bool) -> tuple:
     """Per-token hidden states as plain decoding returns them: the prefill step covers the prompt and
     the first token; every later token gets its own (B, 1, H) slice per layer (after a prefill that
     verified drafts: those of the accepted drafts, which follow the prompt)."""
-    if is_first_iteration:
-        prefill = (tuple(h[:, :cur_len] for h in layer_states),)
-        return prefill + tuple(tuple(h[:, t : t + 1] for h in layer_states) for t in range(cur_len, cur_len + kept - 1))
+    if prefill:
+        first = (tuple(h[:, :prompt_length] for h in layer_states),)
+        return first + tuple(
+            tuple(h[:, t : t + 1] for h in layer_states) for t in range(prompt_length, prompt_length + kept - 1)
+        )
     return tuple(tuple(h[:, t : t + 1] for h in layer_states) for t in range(kept))

@@ -74,15 +74,13 @@ def greedy_tokens(logits: torch.Tensor) -> torch.LongTensor:
     return logits.max(-1).indices
 
 
-def greedy_accept(draft_tokens: torch.LongTensor, target_tokens: torch.LongTensor) -> torch.LongTensor:
-    """Longest prefix of the drafts that the target agrees with, plus the target's next token.
+def accepted_lengths(draft_tokens: torch.LongTensor, target_tokens: torch.LongTensor) -> torch.LongTensor:
+    """How many drafts each row keeps: the longest prefix the target agrees with (the one acceptance rule).
 
-    draft_tokens (1, k); target_tokens (1, k+1): the target's argmax after each prefix.
-    Returns (1, n+1) with 0 <= n <= k.
+    draft_tokens (B, k); target_tokens (B, >= k): the target's choice after each prefix. Returns (B,) in 0..k.
     """
-    mismatch = (draft_tokens != target_tokens[:, :-1]).int()
-    num_accepted = int((mismatch.cumsum(-1) == 0).sum())
-    return target_tokens[:, : num_accepted + 1]
+    mismatch = (draft_tokens != target_tokens[:, : draft_tokens.shape[1]]).int()
+    return (mismatch.cumsum(-1) == 0).sum(-1)
 
 
 def speculative_sample(
@@ -114,6 +112,70 @@ def speculative_sample(
     residual = residual / total if total > 0 else target_probs[0, n]
     correction = torch.multinomial(residual, 1, generator=generator)
     return torch.cat([draft_tokens[0, :n], correction])[None]
+
+
+def sample_rows(drafts: torch.LongTensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor):
+    """`speculative_sample` row by row. drafts (B, k), draft_probs (B, k, V) or None when k = 0,
+    target_probs (B, k+1, V). Returns tokens (B, k+1) (row b valid up to n_b + 1) and n_b (B,)."""
+    tokens = drafts.new_zeros(target_probs.shape[:2])
+    num_accepted = drafts.new_zeros(drafts.shape[0])
+    for b in range(drafts.shape[0]):
+        if drafts.shape[1]:
+            row = speculative_sample(drafts[b : b + 1], draft_probs[b : b + 1], target_probs[b : b + 1])[0]
+        else:
+            row = torch.multinomial(target_probs[b, 0], 1)
+        tokens[b, : len(row)] = row
+        num_accepted[b] = len(row) - 1
+    return tokens, num_accepted
+
+
+def row_copies(sequence: torch.LongTensor, batch_size: int) -> torch.LongTensor:
+    """(batch_size, L) view repeating one row's sequence (L,).
+
+    Rows differ in length, so logits processors and stopping criteria see one row at a time; they
+    see it in a batch of the original size and we read back its own index, so those holding per-row
+    state of the original batch (the repetition penalty's prompt padding, a `prefix_allowed_tokens_fn`'s
+    batch id) use that row's state.
+    """
+    return sequence[None].expand(batch_size, -1)
+
+
+def process_rows(
+    logits_processor, batch_size: int, rows: list[int], prefixes: list[torch.LongTensor], drafts, logits
+) -> torch.Tensor:
+    """Processed float target logits (B, k+1, V) of every active row, as plain decoding processes them.
+
+    rows: each entry's row in the original batch of `batch_size`; prefixes: B committed sequences
+    (L_b,); drafts (B, k); logits (B, k+1, V). Position t of entry b is processed with prefix
+    prefixes[b] + drafts[b, :t].
+    """
+    if not logits_processor:
+        return logits.float()
+    if is_position_independent(logits_processor):  # no input_ids, no per-row state: one call
+        return process_draft_logits(logits_processor, drafts[:, :0], logits)
+    processed = []
+    for b, (row, prefix) in enumerate(zip(rows, prefixes)):
+        sequence = row_copies(torch.cat([prefix, drafts[b]]), batch_size)
+        row_logits = logits[b : b + 1].repeat(batch_size, 1, 1)
+        processed.append(process_block_logits(logits_processor, sequence, row_logits, start=len(prefix))[row])
+    return torch.stack(processed)
+
+
+def process_draft_rows(
+    logits_processor, batch_size: int, rows: list[int], prefixes: list[torch.LongTensor] | None, logits
+) -> torch.Tensor:
+    """Draft logits (B, d, V) -> float32, every position of row b processed with its committed prefix
+    prefixes[b] (L_b,) (drafts only need *a* well-defined distribution: verification corrects it, so the
+    drafts before a position are not part of its prefix). Position-independent processors run in one
+    vectorised call; others once per row and position, on copies of the row (see `row_copies`)."""
+    if not logits_processor or is_position_independent(logits_processor):
+        return process_draft_logits(logits_processor, logits.new_zeros(logits.shape[0], 0, dtype=torch.long), logits)
+    processed = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for b, (row, prefix) in enumerate(zip(rows, prefixes)):
+        sequence = row_copies(prefix, batch_size)
+        for t in range(logits.shape[1]):
+            processed[b, t] = logits_processor(sequence, logits[b, t].float().repeat(batch_size, 1))[row]
+    return processed
 
 
 def count_until_stop(

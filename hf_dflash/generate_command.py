@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from ..data.corpus import read_prompts_file
+from .data.corpus import read_prompts_file
 
 
 def generate_file(
@@ -70,8 +70,8 @@ def generate_file(
 @torch.no_grad()
 def run_generate(args) -> dict:
     """The CLI entry: load target and drafter (`--drafter random|PATH|none`) like `hf-dflash bench`."""
-    from ..bench.loading import RANDOM_DRAFTER, load_bench_models
-    from .adaptive import parse_block_size_policy
+    from .bench.loading import RANDOM_DRAFTER, load_bench_models
+    from .generation.adaptive import parse_block_size_policy
 
     read_prompts_file(args.prompts, require_prompts=True)  # a bad prompts file fails before any model loads
     models = load_bench_models(args.target, RANDOM_DRAFTER if args.drafter == "none" else args.drafter, args.dtype)

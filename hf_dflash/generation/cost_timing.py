@@ -1,0 +1,244 @@
+"""Timing the cost model with the real models, once per (target, drafter, machine), cached as JSON.
+
+The block lengths 1, 2, 4, 8, 16 up to the drafter's block size B are timed once per (target config,
+drafter config, device, dtypes, torch version, torch threads) and cached under
+`<hf_dflash cache>/cost_models/` (written atomically; a corrupt file is measured again with a warning).
+Hybrid drafting also times the target verification pass alone over n tokens (a tree of n nodes, with its
+4D mask), the first time it runs with a pair, stored in the same file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import DFlashCache, DynamicCache
+
+from ..caches import cache_keyword
+from ..json_files import write_json_atomic
+from ..modeling_dflash import DFlashDraftModel
+from .cost_model import CostModel, measured_block_lengths, measured_verification_lengths
+from .tree import tree_attention_bias
+
+logger = logging.getLogger(__name__)
+
+COST_MODEL_FORMAT = 1  # verification_* fields are optional: files without them stay valid
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def time_in_turn(run: Callable[[int], None], sizes: Sequence[int], repeats: int, device: torch.device) -> tuple:
+    """Median seconds of `run(size)` per size, timed in turn `repeats` times (machine noise spreads over all
+    sizes) after one warm-up call at the largest size (first-call allocations and kernel selection). A pass
+    never gets cheaper with its size, so noise that says otherwise is evened out (running maximum)."""
+    run(max(sizes))
+    times: dict[int, list[float]] = {size: [] for size in sizes}
+    for _ in range(repeats):
+        for size in sizes:
+            _synchronize(device)
+            start = time.perf_counter()
+            run(size)
+            _synchronize(device)
+            times[size].append(time.perf_counter() - start)
+    medians = torch.tensor([statistics.median(times[size]) for size in sizes])
+    return tuple(medians.cummax(0).values.tolist())
+
+
+@torch.no_grad()
+def measure_round_seconds(
+    target: PreTrainedModel,
+    drafter: DFlashDraftModel,
+    rows: int,
+    block_lengths: Sequence[int],
+    context_length: int = 32,
+    repeats: int = 3,
+) -> tuple[float, ...]:
+    """Median seconds of one round per block length k, timed with the real models.
+
+    A round = drafter pass over k new context features and a k-token block, its LM head on the k-1 draft
+    slots (none when k = 1), then a target forward over k tokens after a `context_length`-token prompt,
+    with the hidden states the drafter needs. Both caches are cropped back after each pass. The block
+    lengths are timed in turn `repeats` times (machine noise spreads over all of them) after one
+    warm-up round; a round never gets cheaper with k, so noise that says otherwise is evened out
+    (running maximum). Uses no random numbers, so measuring never changes what `generate` samples.
+    """
+    device = target.device
+    layer_ids = list(drafter.config.target_layer_ids)
+    hidden_request = [i + 1 for i in layer_ids]
+    embedding, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    context_length = max(context_length, max(block_lengths))
+    token_ids = (torch.arange(rows * context_length, device=device) * 7919 % embedding.num_embeddings).view(rows, -1)
+    cache_name = cache_keyword(target)
+    cache = DynamicCache(config=target.config)
+    outputs = target(input_ids=token_ids, use_cache=True, output_hidden_states=hidden_request, **{cache_name: cache})
+    features = torch.cat([outputs.hidden_states[i + 1] for i in layer_ids], -1)  # (rows, context, n*Ht)
+    draft_cache = DFlashCache(config=drafter.config)
+
+    def one_round(k: int) -> None:
+        if k > 1:
+            past = draft_cache.get_seq_length()
+            block = token_ids[:, :k].clone()
+            block[:, 1:] = drafter.config.mask_token_id
+            draft_cache.set_previous_accepted_tokens(k)
+            positions = torch.arange(past, past + 2 * k, device=device).expand(rows, -1)
+            hidden = drafter(
+                noise_embeds=embedding(block),
+                context_hidden_states=features[:, :k],
+                position_ids=positions,
+                cache=draft_cache,
+            ).last_hidden_state
+            drafter.draft_logits(hidden[:, 1:], lm_head).max(-1)
+            draft_cache.crop(-2 * k)
+        target(input_ids=token_ids[:, :k], use_cache=True, output_hidden_states=hidden_request, **{cache_name: cache})
+        cache.crop(-k)
+
+    return time_in_turn(one_round, block_lengths, repeats, device)
+
+
+@torch.no_grad()
+def measure_verification_seconds(
+    target: PreTrainedModel,
+    drafter: DFlashDraftModel,
+    rows: int,
+    lengths: Sequence[int],
+    context_length: int = 32,
+    repeats: int = 3,
+) -> tuple[float, ...]:
+    """Median seconds of one target verification pass over n tokens, per n in `lengths`, as a draft tree
+    is verified: after a `context_length`-token prompt, with an explicit 4D tree mask, depth positions and
+    the hidden states the drafter needs; the cache is cropped back after each pass. Timed in turn
+    `repeats` times after one warm-up pass; evened out to never decrease with n (running maximum)."""
+    device = target.device
+    hidden_request = [i + 1 for i in drafter.config.target_layer_ids]
+    vocab = target.get_input_embeddings().num_embeddings
+    context_length = max(context_length, max(lengths))
+    token_ids = (torch.arange(rows * 2 * context_length, device=device) * 7919 % vocab).view(rows, -1)
+    cache_name = cache_keyword(target)
+    cache = DynamicCache(config=target.config)
+    target(input_ids=token_ids[:, :context_length], use_cache=True, **{cache_name: cache})
+    # the cost does not depend on the tree's shape: time a chain-shaped one
+    inputs = {
+        n: dict(
+            input_ids=token_ids[:, context_length : context_length + n],
+            attention_mask=tree_attention_bias(tuple(range(-1, n - 1)), context_length, target.dtype, device).expand(
+                rows, -1, -1, -1
+            ),
+            position_ids=torch.arange(context_length, context_length + n, device=device).expand(rows, -1),
+        )
+        for n in lengths
+    }
+
+    def one_pass(n: int) -> None:
+        target(**inputs[n], use_cache=True, output_hidden_states=hidden_request, **{cache_name: cache})
+        cache.crop(-n)
+
+    return time_in_turn(one_pass, lengths, repeats, device)
+
+
+def config_digest(config) -> str:
+    """A hash of a model config's content (its name/path and the Transformers version excluded)."""
+    content = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    content["attn_implementation"] = config._attn_implementation
+    return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return device.type
+
+
+def cost_model_key(target: PreTrainedModel, drafter: DFlashDraftModel) -> dict:
+    """What the round cost depends on: both configs, device, dtypes, torch version and CPU threads."""
+    return {
+        "target_config": config_digest(target.config),
+        "drafter_config": config_digest(drafter.config),
+        "device": device_name(target.device),
+        "dtype": f"{target.dtype}/{drafter.dtype}".replace("torch.", ""),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+
+
+def cost_model_path(key: dict, cache_dir: str | Path | None = None) -> Path:
+    """`<cache_dir or hf_dflash cache>/cost_models/<hash of key>.json`."""
+    if cache_dir is None:
+        from ..models import default_cache_dir
+
+        cache_dir = default_cache_dir()
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return Path(cache_dir) / "cost_models" / f"{digest}.json"
+
+
+def read_cost_model(path: Path, key: dict, block_lengths: Sequence[int]) -> CostModel | None:
+    """The cached model at `path`, or None when absent. A corrupt file, or one for another key or
+    other block lengths, is ignored with a warning (it is measured again and overwritten). Verification
+    times for other token counts are dropped (measured again when needed)."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if data.get("format") != COST_MODEL_FORMAT or data.get("key") != key:
+            raise ValueError("it was written for another model pair, machine or format")
+        model = CostModel.from_dict(data)
+        if model.block_lengths != tuple(block_lengths):
+            raise ValueError(f"it holds block lengths {model.block_lengths}, not {tuple(block_lengths)}")
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as error:
+        warnings.warn(f"Ignoring the DFlash cost model cache {path} ({error}); measuring again.", stacklevel=3)
+        return None
+    verified = measured_verification_lengths(max(block_lengths))
+    if model.has_verification and model.verification_lengths != verified:
+        model = CostModel(model.block_lengths, model.seconds)
+    return model
+
+
+def measured_cost_model(
+    target: PreTrainedModel,
+    drafter: DFlashDraftModel,
+    rows: Sequence[int] = (1,),
+    cache_dir: str | Path | None = None,
+    measure: Callable[..., Sequence[float]] = measure_round_seconds,
+    verification: bool = False,
+    measure_verification: Callable[..., Sequence[float]] = measure_verification_seconds,
+) -> CostModel:
+    """The cached cost model of this (target, drafter, machine), measuring the `rows` not cached yet.
+
+    `measure(target, drafter, rows, block_lengths)` returns seconds per block length (injectable); with
+    `verification` (hybrid drafting), `measure_verification(target, drafter, rows, lengths)` the seconds
+    of the verification pass alone per token count. The file is rewritten atomically, so concurrent runs
+    never read half a file; a cache folder that cannot be written only warns.
+    """
+    key = cost_model_key(target, drafter)
+    path = cost_model_path(key, cache_dir)
+    lengths = measured_block_lengths(drafter.config.block_size)
+    verified = measured_verification_lengths(drafter.config.block_size)
+    cached = read_cost_model(path, key, lengths)
+    seconds = dict(cached.seconds) if cached is not None else {}
+    verification_seconds = dict(cached.verification_seconds) if cached is not None else {}
+    missing = sorted(set(rows) - set(seconds))
+    missing_verification = sorted(set(rows) - set(verification_seconds)) if verification else []
+    if not missing and not missing_verification:
+        return cached
+    for count in missing:
+        logger.info("Timing DFlash rounds of %d row(s) at block lengths %s (cached in %s).", count, lengths, path)
+        seconds[count] = tuple(measure(target, drafter, count, lengths))
+    for count in missing_verification:
+        logger.info("Timing verification passes of %d row(s) over %s tokens (cached in %s).", count, verified, path)
+        verification_seconds[count] = tuple(measure_verification(target, drafter, count, verified))
+    model = CostModel(lengths, seconds, verified if verification_seconds else (), verification_seconds)
+    try:
+        write_json_atomic(path, {"format": COST_MODEL_FORMAT, "key": key, **model.to_dict()})
+    except OSError as error:  # a read-only cache costs a measurement per call, not the generation
+        warnings.warn(f"Could not cache the DFlash cost model in {path} ({error}); set $HF_DFLASH_CACHE.", stacklevel=3)
+    return model
