@@ -107,3 +107,24 @@ def test_acceptance_estimate_from_slot_correctness():
     right, seen, tau = acceptance_estimate(correct, supervised, block_size=4)
     assert right.tolist() == [2, 1, 1] and seen.tolist() == [2, 2, 2]
     assert tau.tolist() == [(1 + 2) + (1 + 1), 2]  # block 0 keeps 2 drafts, block 1 keeps 1
+
+
+def test_dpace_weights_closed_form():
+    """w_j = sum_{m >= j} prod_{i <= m} q~_i with q~ = (1 - alpha) q + alpha, cut at the first unsupervised slot."""
+    from hf_dflash.trainer.maths import dpace_weights
+
+    q = torch.tensor([[0.8, 0.4, 0.9, 0.6], [0.5, 0.5, 0.5, 0.5]])
+    valid = torch.tensor([[True, True, True, True], [True, True, False, True]])
+    alpha = 0.5
+    weights = dpace_weights(q, valid, alpha)
+    s = (1 - alpha) * q + alpha
+    for j in range(4):
+        expected = sum(math.prod(s[0, : m + 1].tolist()) for m in range(j, 4))
+        assert weights[0, j].item() == pytest.approx(expected)
+    # row 1: slot 2 unsupervised: weight 0 there, and slots 2.. add nothing to earlier weights
+    assert weights[1].tolist() == pytest.approx([0.75 + 0.75**2, 0.75**2, 0.0, 0.0])
+    # alpha = 1 ignores confidence: w_j = number of supervised slots from j on (the all-accepted chain)
+    assert dpace_weights(q, torch.ones_like(valid), 1.0)[0].tolist() == [4.0, 3.0, 2.0, 1.0]
+    assert not dpace_weights(q.requires_grad_(), valid).requires_grad
+    with pytest.raises(ValueError, match="alpha"):
+        dpace_weights(q, valid, 0.0)

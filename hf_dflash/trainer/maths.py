@@ -223,3 +223,21 @@ def acceptance_estimate(
     live = supervised[:, 0] > 0
     tau = 1 + correct[live].cumprod(-1).sum(-1)
     return correct.sum(0), supervised.sum(0), torch.stack([tau.sum(), live.sum().float()])
+
+
+def dpace_weights(confidence: torch.Tensor, valid: torch.BoolTensor, alpha: float = 0.5) -> torch.Tensor:
+    """D-PACE position weights (arXiv 2605.18810): each draft slot weighted by its share of the expected
+    accepted length, from the drafter's own current confidence instead of a fixed decay.
+
+    confidence, valid (N, L): per block, the drafter's probability of the label at draft slots 1..L
+    (exp(-CE), detached) and whether the slot is supervised. Confidence is smoothed toward 1,
+    q~ = (1 - alpha) * q + alpha (alpha in (0, 1]); an unsupervised slot has q~ = 0, so nothing after it
+    counts. w_j = sum_{m >= j} prod_{i <= m} q~_i: the probability that slot j is reached times the
+    accepted length that follows. Returns detached (N, L) weights, 0 where not valid.
+    """
+    if not 0 < alpha <= 1:
+        raise ValueError(f"dpace alpha must be in (0, 1], got {alpha!r}.")
+    smoothed = torch.where(valid, (1 - alpha) * confidence.detach().float() + alpha, torch.zeros_like(confidence))
+    reach = smoothed.cumprod(-1)  # (N, L) prod_{i <= m} q~_i
+    suffix = reach.flip(-1).cumsum(-1).flip(-1)  # sum_{m >= j}
+    return (suffix * valid).to(confidence.dtype)
