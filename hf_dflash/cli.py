@@ -294,7 +294,7 @@ def register_train(subparsers) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    from .hub_cards import export_drafter
+    from .checkpoints import export_drafter
 
     out = export_drafter(
         args.drafter,
@@ -338,7 +338,7 @@ def register_export(subparsers) -> None:
 
 
 def _run_push(args: argparse.Namespace) -> int:
-    from .hub_cards import push_folder
+    from .checkpoints import push_folder
 
     url = push_folder(args.out_dir, args.repo_id, private=not args.public)
     print(f"Pushed {args.out_dir} to {url} ({'public' if args.public else 'private'})")
