@@ -33,8 +33,8 @@ from hf_dflash.models import load_target
 from hf_dflash.target_features import compute_target_features
 from hf_dflash.trainer.collator import DFlashDataCollator
 from hf_dflash.trainer.draft_vocab import select_draft_vocab, supervised_token_counts
+from hf_dflash.trainer.forward import dflash_training_forward
 from hf_dflash.trainer.maths import target_to_draft_index, weighted_cross_entropy_sum
-from hf_dflash.trainer.trainer import dflash_training_forward
 
 
 def restrict_vocab(drafter: DFlashDraftModel, size: int | None, ids) -> DFlashDraftModel:

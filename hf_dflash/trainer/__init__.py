@@ -2,6 +2,7 @@ from ..target_features import compute_target_features
 from .arguments import DFlashTrainingArguments
 from .collator import DFlashDataCollator
 from .datasets import TokenizedDataset
+from .forward import dflash_training_forward
 from .maths import (
     acceptance_estimate,
     build_blocks,
@@ -12,7 +13,7 @@ from .maths import (
     weighted_cross_entropy_sum,
 )
 from .offline_features import OfflineFeatureDataset, cache_features, target_fingerprint
-from .trainer import DFlashTrainer, dflash_training_forward
+from .trainer import DFlashTrainer
 
 __all__ = [
     "DFlashDataCollator",
