@@ -111,9 +111,9 @@ def register_demo(subparsers) -> None:
 
 
 def _run_cache_features(args: argparse.Namespace) -> int:
+    from .data.feature_cache import cache_features
     from .modeling_dflash import default_target_layer_ids
     from .models import load_target, resolve_dtype
-    from .trainer.offline_features import cache_features
 
     _announce_dtype(args.target_dtype)
     target, _ = load_target(args.target, dtype=args.target_dtype)

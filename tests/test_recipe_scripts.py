@@ -147,7 +147,7 @@ offline_subset = load_module("scripts/offline_subset.py")
 
 def test_offline_subset_holds_out_the_fixed_chats_last_and_refuses_other_settings(tmp_path, capsys):
     from hf_dflash.data.packed import PackedDataset, pack_tokenized
-    from hf_dflash.trainer.datasets import TokenizedDataset
+    from hf_dflash.data.tokenized import TokenizedDataset
     from hf_dflash.trainer.train import held_out_indices
     from tests.test_data import make_char_tokenizer
     from tests.test_packed_data import SETTINGS, sample, write_tokenized
