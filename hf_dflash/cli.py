@@ -220,6 +220,7 @@ def _run_prepare_data(args: argparse.Namespace) -> int:
 def register_prepare_data(subparsers) -> None:
     from .data.regenerate import DEFAULT_REGENERATION_BATCH, DEFAULT_REGENERATION_SHARD
     from .data.sources import TRAIN_SOURCES
+    from .modeling_dflash import DFlashConfig
 
     parser = subparsers.add_parser(
         "prepare-data",
@@ -266,7 +267,10 @@ def register_prepare_data(subparsers) -> None:
         "~2.7k-token prompts ran over 9 minutes; the replies are what is supervised)",
     )
     parser.add_argument(
-        "--block-size", type=int, default=16, help="drafter block size: samples need 2x this many supervised tokens"
+        "--block-size",
+        type=int,
+        default=DFlashConfig.block_size,
+        help="drafter block size: samples need 2x this many supervised tokens",
     )
     parser.add_argument("--seed", type=int, default=0, help="shuffle and sampling seed (default: %(default)s)")
     parser.set_defaults(func=_run_prepare_data)
