@@ -30,7 +30,7 @@ __all__ = ["SHARD_PREFIX", "generate_replies", "regenerate_responses", "shard_se
 
 SHARD_PREFIX = "responses"
 # Rows per continuous batch and prompts per shard. Measured on 2 CPU cores (SmolLM2-135M, bf16, 1 torch
-# thread, `benchmarks/regeneration_speed.py --methods continuous --batch-sizes 32,64,96`): 180 / 190 /
+# thread, `benchmarks/data/regeneration_speed.py --methods continuous --batch-sizes 32,64,96`): 180 / 190 /
 # 172 reply tok/s; a shard holds a few batches so that rows can keep joining.
 DEFAULT_REGENERATION_BATCH = 64
 DEFAULT_REGENERATION_SHARD = 256

@@ -9,7 +9,7 @@ The subset is the most frequent supervised tokens of the training part of the pa
 coverage of the held-out part (the last 10%) is reported too. Sizes are timed interleaved, `--reps`
 times each, and the median is reported. Prints a table and writes JSON.
 
-    python benchmarks/draft_vocab_cost.py --data data/smollm2-135m-instruct --sizes full,8192,4096 \
+    python benchmarks/training/draft_vocab_cost.py --data data/smollm2-135m-instruct --sizes full,8192,4096 \
         --layers 5 --reps 5 --drafter models/smollm2-135m-instruct-dflash --out out/draft_vocab_cost.json
 
 With --drafter, a trained full-vocabulary drafter is also restricted to each subset (no retraining) and
