@@ -19,8 +19,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from ..modeling_dflash import DFlashConfig, DFlashDraftModel
-from ..modeling_dflash import configuration_dflash as _configuration
+from ..modeling_dflash import DFlashConfig, DFlashDraftModel, configuration_dflash
 from ..modeling_dflash.configuration_dflash import OFFICIAL_DECODER_FIELDS, dflash_kwargs_from_official
 from .building import build_drafter
 from .files import CONFIG_NAME, REMOTE_CODE_FILES, WEIGHTS_NAME, as_dtype, dtype_name, load_state_dict, read_config
@@ -91,7 +90,7 @@ def save_official(
     config = official_config_dict(model.config, target_dtype)
     save_file(state_dict, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
     for name in REMOTE_CODE_FILES:  # the package's own files: they import only torch / transformers
-        shutil.copyfile(Path(_configuration.__file__).with_name(name), out / name)
+        shutil.copyfile(Path(configuration_dflash.__file__).with_name(name), out / name)
     (out / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return out
 
