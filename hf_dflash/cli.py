@@ -8,6 +8,7 @@ Each subcommand is one `register_<name>(subparsers)` function that adds its pars
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Callable, Sequence
 
@@ -24,6 +25,32 @@ def _add_dtype_argument(parser, what: str) -> None:
         "else float32; the choice and its reason are printed). float32 is token-exact; in bf16 a k-token "
         "forward may round a near-tie differently from a 1-token forward",
     )
+
+
+def _command(subparsers, name: str, run: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+    """The subcommand `name`, running `run`: its help is the first paragraph of `run`'s docstring, its
+    description the rest."""
+    summary, _, details = (run.__doc__ or "").partition("\n\n")  # empty under python -OO
+    parser = subparsers.add_parser(name, help=" ".join(summary.split()), description=" ".join(details.split()))
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _same_named(args: argparse.Namespace, names: str) -> dict:
+    """{name: args.<name>} for each of the space-separated `names`: options passed on under their own name."""
+    return {name: getattr(args, name) for name in names.split()}
+
+
+@contextlib.contextmanager
+def _missing_packages_as_errors():
+    """A missing data or target package becomes a ValueError, which `main` prints with its install command."""
+    from .data.sources import MissingDataPackageError
+    from .models import MissingTargetPackageError
+
+    try:
+        yield
+    except (MissingDataPackageError, MissingTargetPackageError) as error:
+        raise ValueError(str(error)) from None
 
 
 def _announce_dtype(dtype: str, device: str = "cpu") -> None:
@@ -55,6 +82,12 @@ def _device(text: str) -> str:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
+    """convert a drafter checkpoint between the Hub-native and official (vLLM/SGLang) formats
+
+    Convert a DFlash drafter checkpoint (Hub-native, official or vLLM speculators; local folder or Hub repo id)
+    to the Hub-native format (model_type 'dflash', remote code) or the official format (model_type 'qwen3' +
+    dflash_config, served by vLLM/SGLang). DST must be new or empty unless --overwrite.
+    """
     from .checkpoints import convert
 
     out = convert(
@@ -66,13 +99,7 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 
 def register_convert(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "convert",
-        help="convert a drafter checkpoint between the Hub-native and official (vLLM/SGLang) formats",
-        description="Convert a DFlash drafter checkpoint (Hub-native, official or vLLM speculators; local folder "
-        "or Hub repo id) to the Hub-native format (model_type 'dflash', remote code) or the official format "
-        "(model_type 'qwen3' + dflash_config, served by vLLM/SGLang). DST must be new or empty unless --overwrite.",
-    )
+    parser = _command(subparsers, "convert", _run_convert)
     parser.add_argument("src", help="source checkpoint folder (or Hub repo id)")
     parser.add_argument("dst", help="destination folder (new or empty)")
     parser.add_argument("--to", required=True, choices=("official", "hub"), help="output format")
@@ -84,10 +111,14 @@ def register_convert(subparsers) -> None:
         "--num-target-layers", type=int, default=None,
         help="the target's decoder layers, for a vLLM speculators source (it does not record them)",
     )  # fmt: skip
-    parser.set_defaults(func=_run_convert)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    """generate with SmolLM2-135M-Instruct, plain greedy vs DFlash, side by side
+
+    Stream math, code and chat answers of SmolLM2-135M-Instruct through DFlash with the shipped drafter and
+    print tokens/s plain vs DFlash, the mean acceptance length and whether outputs are identical.
+    """
     from .demo import SHIPPED_DRAFTER, demo_succeeded, run_demo
 
     _announce_dtype(args.dtype)
@@ -96,24 +127,24 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def register_demo(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "demo",
-        help="generate with SmolLM2-135M-Instruct, plain greedy vs DFlash, side by side",
-        description="Stream math, code and chat answers of SmolLM2-135M-Instruct through DFlash with the shipped "
-        "drafter and print tokens/s plain vs DFlash, the mean acceptance length and whether outputs are identical.",
-    )
+    parser = _command(subparsers, "demo", _run_demo)
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer (default: 128)")
     parser.add_argument(
         "--drafter", default=None, help="drafter folder (default: the shipped models/smollm2-135m-instruct-dflash)"
     )
     _add_dtype_argument(parser, "target and drafter dtype")
-    parser.set_defaults(func=_run_demo)
 
 
 def _run_cache_features(args: argparse.Namespace) -> int:
+    """precompute the target's features for offline drafter training (safetensors shards)
+
+    Run the target once over tokenised data (tokenized-*.jsonl) and store cat(h[i+1] for i in target_layer_ids)
+    per sample in safetensors shards with an index.json. An interrupted run resumes where it stopped when re-run
+    with the same arguments.
+    """
+    from .data.feature_cache import cache_features
     from .modeling_dflash import default_target_layer_ids
     from .models import load_target, resolve_dtype
-    from .trainer.offline_features import cache_features
 
     _announce_dtype(args.target_dtype)
     target, _ = load_target(args.target, dtype=args.target_dtype)
@@ -142,13 +173,7 @@ def _layer_ids(text: str) -> list[int]:
 
 
 def register_cache_features(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "cache-features",
-        help="precompute the target's features for offline drafter training (safetensors shards)",
-        description="Run the target once over tokenised data (tokenized-*.jsonl) and store "
-        "cat(h[i+1] for i in target_layer_ids) per sample in safetensors shards with an index.json. "
-        "An interrupted run resumes where it stopped when re-run with the same arguments.",
-    )
+    parser = _command(subparsers, "cache-features", _run_cache_features)
     parser.add_argument("--data", required=True, help="folder of tokenized-*.jsonl files")
     parser.add_argument("--out", required=True, help="feature cache folder (created, or resumed)")
     parser.add_argument("--target", default="smollm2-135m-instruct", help="a known target (default: %(default)s)")
@@ -168,35 +193,31 @@ def register_cache_features(subparsers) -> None:
     )
     parser.add_argument("--batch-size", type=int, default=4, help="samples per target forward (default: 4)")
     parser.add_argument("--shard-size-mb", type=float, default=256, help="shard size in MiB (default: 256)")
-    parser.set_defaults(func=_run_cache_features)
 
 
 def _run_prepare_data(args: argparse.Namespace) -> int:
+    """build training data: prompt corpus -> replies regenerated by the target -> tokenised shards
+
+    Collect prompts from offline sources (and/or your JSONL), de-duplicate them and drop any sharing a 13-word
+    run with the evaluation suite; regenerate every reply with the target (chat template, batched, resumable
+    shards); tokenise with loss_mask on assistant tokens into OUT/tokenized. Re-running the same command resumes
+    an interrupted run.
+    """
     from .data.pipeline import prepare_data
-    from .data.sources import MissingDataPackageError
-    from .models import MissingTargetPackageError
 
     sources = [name.strip() for name in args.sources.split(",") if name.strip()]
     _announce_dtype(args.dtype)
-    try:
+    with _missing_packages_as_errors():
         summary = prepare_data(
             args.out,
             sources=sources,
             prompts_file=args.prompts,
-            max_prompts=args.max_prompts,
-            target=args.target,
-            dtype=args.dtype,
-            temperature=args.temperature,
-            max_new_tokens=args.max_new_tokens,
-            batch_size=args.batch_size,
-            shard_size=args.shard_size,
-            max_length=args.max_length,
-            max_prompt_tokens=args.max_prompt_tokens,
-            block_size=args.block_size,
-            seed=args.seed,
+            **_same_named(
+                args,
+                "max_prompts target dtype temperature max_new_tokens batch_size shard_size max_length "
+                "max_prompt_tokens block_size seed",
+            ),
         )
-    except (MissingDataPackageError, MissingTargetPackageError) as error:
-        raise ValueError(str(error)) from None
     for source, counts in summary["corpus"]["per_source"].items():
         print(f"{source:>10}: " + ", ".join(f"{key} {value}" for key, value in counts.items()))
     tokenized = summary["tokenized"]
@@ -220,15 +241,9 @@ def _run_prepare_data(args: argparse.Namespace) -> int:
 def register_prepare_data(subparsers) -> None:
     from .data.regenerate import DEFAULT_REGENERATION_BATCH, DEFAULT_REGENERATION_SHARD
     from .data.sources import TRAIN_SOURCES
+    from .modeling_dflash import DFlashConfig
 
-    parser = subparsers.add_parser(
-        "prepare-data",
-        help="build training data: prompt corpus -> replies regenerated by the target -> tokenised shards",
-        description="Collect prompts from offline sources (and/or your JSONL), de-duplicate them and drop any "
-        "sharing a 13-word run with the evaluation suite; regenerate every reply with the target (chat template, "
-        "batched, resumable shards); tokenise with loss_mask on assistant tokens into OUT/tokenized. Re-running "
-        "the same command resumes an interrupted run.",
-    )
+    parser = _command(subparsers, "prepare-data", _run_prepare_data)
     parser.add_argument("--out", required=True, help="output folder (created, or resumed)")
     parser.add_argument(
         "--sources",
@@ -266,13 +281,21 @@ def register_prepare_data(subparsers) -> None:
         "~2.7k-token prompts ran over 9 minutes; the replies are what is supervised)",
     )
     parser.add_argument(
-        "--block-size", type=int, default=16, help="drafter block size: samples need 2x this many supervised tokens"
+        "--block-size",
+        type=int,
+        default=DFlashConfig.block_size,
+        help="drafter block size: samples need 2x this many supervised tokens",
     )
     parser.add_argument("--seed", type=int, default=0, help="shuffle and sampling seed (default: %(default)s)")
-    parser.set_defaults(func=_run_prepare_data)
 
 
 def _run_train(args: argparse.Namespace) -> int:
+    """train (or resume, or LoRA-fine-tune) a DFlash drafter from a YAML config
+
+    Train a DFlash drafter with DFlashTrainer. The YAML config has the sections target, target_dtype, drafter,
+    data, lora and training (DFlashTrainingArguments); see hf_dflash/trainer/train.py. Works under `accelerate
+    launch` for several processes.
+    """
     from .trainer.train import load_train_config, train_from_config
 
     trainer = train_from_config(load_train_config(args.config))
@@ -282,19 +305,18 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def register_train(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "train",
-        help="train (or resume, or LoRA-fine-tune) a DFlash drafter from a YAML config",
-        description="Train a DFlash drafter with DFlashTrainer. The YAML config has the sections target, "
-        "target_dtype, drafter, data, lora and training (DFlashTrainingArguments); see "
-        "hf_dflash/trainer/train.py. Works under `accelerate launch` for several processes.",
-    )
+    parser = _command(subparsers, "train", _run_train)
     parser.add_argument("--config", required=True, help="YAML training config")
-    parser.set_defaults(func=_run_train)
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    from .hub_cards import export_drafter
+    """write a drafter as a complete Hub repository folder (weights, remote code, model card)
+
+    Write DRAFTER (either checkpoint format, folder or Hub id) into OUT_DIR as a Hub repository: config.json
+    with auto_map, the remote-code files, model.safetensors and a README.md model card filled from the drafter
+    config, the training record and the benchmark JSON (without them the card says so).
+    """
+    from .checkpoints import export_drafter
 
     out = export_drafter(
         args.drafter,
@@ -312,13 +334,7 @@ def _run_export(args: argparse.Namespace) -> int:
 
 
 def register_export(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "export",
-        help="write a drafter as a complete Hub repository folder (weights, remote code, model card)",
-        description="Write DRAFTER (either checkpoint format, folder or Hub id) into OUT_DIR as a Hub repository: "
-        "config.json with auto_map, the remote-code files, model.safetensors and a README.md model card filled "
-        "from the drafter config, the training record and the benchmark JSON (without them the card says so).",
-    )
+    parser = _command(subparsers, "export", _run_export)
     parser.add_argument("drafter", help="drafter checkpoint folder (or Hub repo id)")
     parser.add_argument("out_dir", help="new or empty output folder")
     parser.add_argument(
@@ -334,11 +350,15 @@ def register_export(subparsers) -> None:
     parser.add_argument("--official", action="store_true", help="also write official/ for vLLM / SGLang")
     parser.add_argument("--dtype", default=None, help="cast the weights, e.g. bfloat16 (default: keep)")
     parser.add_argument("--license", default="apache-2.0", help="card license (default: %(default)s)")
-    parser.set_defaults(func=_run_export)
 
 
 def _run_push(args: argparse.Namespace) -> int:
-    from .hub_cards import push_folder
+    """upload a folder written by `hf-dflash export` to the Hugging Face Hub
+
+    Create the model repository (private unless --public; an existing one keeps its visibility) and upload
+    OUT_DIR. Needs a token with write access: `hf auth login` or HF_TOKEN.
+    """
+    from .checkpoints import push_folder
 
     url = push_folder(args.out_dir, args.repo_id, private=not args.public)
     print(f"Pushed {args.out_dir} to {url} ({'public' if args.public else 'private'})")
@@ -346,16 +366,10 @@ def _run_push(args: argparse.Namespace) -> int:
 
 
 def register_push(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "push",
-        help="upload a folder written by `hf-dflash export` to the Hugging Face Hub",
-        description="Create the model repository (private unless --public; an existing one keeps its visibility) "
-        "and upload OUT_DIR. Needs a token with write access: `hf auth login` or HF_TOKEN.",
-    )
+    parser = _command(subparsers, "push", _run_push)
     parser.add_argument("out_dir", help="folder written by `hf-dflash export`")
     parser.add_argument("--repo-id", required=True, help="target repository, e.g. me/SmolLM2-135M-Instruct-DFlash")
     parser.add_argument("--public", action="store_true", help="create the repository public (default: private)")
-    parser.set_defaults(func=_run_push)
 
 
 def _names(text: str) -> list[str]:
@@ -363,31 +377,29 @@ def _names(text: str) -> list[str]:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
+    """benchmark plain decoding, DFlash (ours and Transformers' built-in), prompt lookup and hybrid drafting side
+    by side
+
+    Run every method on the same prompts (a seeded sample of each evaluation set, or your JSONL), interleaved
+    per prompt with the method order rotated, and report per set and overall: mean acceptance length τ, the
+    acceptance-length histogram, tokens/s, speed-up over plain decoding and whether every greedy output equals
+    plain greedy (a difference is reported with the target's top-2 logit gap there). Writes OUT/bench.json,
+    OUT/benchmark.json (the model-card benchmark for `hf-dflash export`) and PNG plots.
+    """
     from .bench import EVAL_SETS, run_bench
-    from .data.sources import MissingDataPackageError
-    from .models import MissingTargetPackageError
 
     # --prompts alone benchmarks only that file; --sets (or neither) picks evaluation sets
     sets = args.sets if args.sets is not None else ([] if args.prompts else list(EVAL_SETS))
-    try:
+    with _missing_packages_as_errors():
         run_bench(
-            target=args.target,
-            drafter=args.drafter,
             sets=sets,
-            prompts=args.prompts,
-            num_prompts=args.num_prompts,
-            max_new_tokens=args.max_new_tokens,
-            dtype=args.dtype,
-            temperature=args.temperature,
-            seed=args.seed,
-            out=args.out,
-            methods=args.methods,
-            device=args.device,
-            block_size_policy=args.block_size_policy,
             progress=not args.no_progress,
+            **_same_named(
+                args,
+                "target drafter prompts num_prompts max_new_tokens dtype temperature seed out methods device "
+                "block_size_policy",
+            ),
         )
-    except (MissingDataPackageError, MissingTargetPackageError) as error:
-        raise ValueError(str(error)) from None
     return 0
 
 
@@ -395,16 +407,7 @@ def register_bench(subparsers) -> None:
     from .bench import EVAL_SETS, METHODS
     from .bench.prompts import BENCH_SETS
 
-    parser = subparsers.add_parser(
-        "bench",
-        help="benchmark plain decoding, DFlash (ours and Transformers' built-in), prompt lookup and hybrid "
-        "drafting side by side",
-        description="Run every method on the same prompts (a seeded sample of each evaluation set, or your JSONL), "
-        "interleaved per prompt with the method order rotated, and report per set and overall: mean acceptance "
-        "length τ, the acceptance-length histogram, tokens/s, speed-up over plain decoding and whether every "
-        "greedy output equals plain greedy (a difference is reported with the target's top-2 logit gap there). "
-        "Writes OUT/bench.json, OUT/benchmark.json (the model-card benchmark for `hf-dflash export`) and PNG plots.",
-    )
+    parser = _command(subparsers, "bench", _run_bench)
     parser.add_argument(
         "--target",
         default="smollm2-135m-instruct",
@@ -452,10 +455,14 @@ def register_bench(subparsers) -> None:
         "block_size_policy, else its block size), 'trained' (its block size), 'adaptive', or a fixed k",
     )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.set_defaults(func=_run_bench)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    """answer a JSONL of prompts in batches with DFlash (batched speculative decoding)
+
+    Greedy answers for every line of a JSONL prompt file ({"prompt": ...} or {"messages": [...]}), left-padded
+    in batches; prints throughput (new tokens summed over rows per second) and τ.
+    """
     from .generate_command import run_generate
 
     run_generate(args)
@@ -463,12 +470,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def register_generate(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "generate",
-        help="answer a JSONL of prompts in batches with DFlash (batched speculative decoding)",
-        description='Greedy answers for every line of a JSONL prompt file ({"prompt": ...} or {"messages": [...]}), '
-        "left-padded in batches; prints throughput (new tokens summed over rows per second) and τ.",
-    )
+    parser = _command(subparsers, "generate", _run_generate)
     parser.add_argument("--prompts", required=True, help="JSONL prompt file")
     parser.add_argument("--out", required=True, help="output JSONL (id, messages, response, new_tokens)")
     parser.add_argument("--target", default="smollm2-135m-instruct", help="known target name or local folder")
@@ -481,10 +483,15 @@ def register_generate(subparsers) -> None:
         help="block length per round: 'recommended' (default: the drafter config's block_size_policy, else "
         "its block size), 'trained' (its block size), 'adaptive', or a fixed k",
     )  # fmt: skip
-    parser.set_defaults(func=_run_generate)
 
 
 def _run_pack_data(args: argparse.Namespace) -> int:
+    """pack tokenised shards into compact, versioned safetensors shards with a manifest (committable)
+
+    Append the tokenized-*.jsonl shards of TOKENIZED not packed yet to OUT as part PART: uint16 token ids + loss
+    masks per shard, a manifest with the settings of each part, counts per source and sha256 per shard. Training
+    reads OUT directly (data.tokenized: OUT).
+    """
     import json
     from pathlib import Path
 
@@ -528,13 +535,7 @@ def _run_pack_data(args: argparse.Namespace) -> int:
 
 
 def register_pack_data(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "pack-data",
-        help="pack tokenised shards into compact, versioned safetensors shards with a manifest (committable)",
-        description="Append the tokenized-*.jsonl shards of TOKENIZED not packed yet to OUT as part PART: uint16 "
-        "token ids + loss masks per shard, a manifest with the settings of each part, counts per source and "
-        "sha256 per shard. Training reads OUT directly (data.tokenized: OUT).",
-    )
+    parser = _command(subparsers, "pack-data", _run_pack_data)
     parser.add_argument("--tokenized", required=True, help="folder of tokenized-*.jsonl (prepare-data's tokenized/)")
     parser.add_argument("--out", required=True, help="packed folder (created, or appended to)")
     parser.add_argument("--part", required=True, help="name of this regeneration run, e.g. regen-bf16-1")
@@ -545,7 +546,6 @@ def register_pack_data(subparsers) -> None:
         "--target", default="smollm2-135m-instruct", help="the known target whose tokenizer made the ids"
     )
     parser.add_argument("--samples-per-shard", type=int, default=2048, help="samples per packed shard (default: 2048)")
-    parser.set_defaults(func=_run_pack_data)
 
 
 COMMANDS: list[Callable] = [

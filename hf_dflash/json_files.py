@@ -1,8 +1,10 @@
-"""Reading JSON files with errors that name the file; writing them atomically."""
+"""Reading JSON and JSONL files (JSON objects with errors that name the file); writing them atomically."""
 
+import gzip
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -18,6 +20,15 @@ def read_json_object(path: str | os.PathLike, what: str) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{file} must hold a JSON object, got {type(data).__name__}.")
     return data
+
+
+def read_jsonl(path: str | os.PathLike) -> Iterator[dict]:
+    """Rows of a JSONL file, gzipped when its name ends in `.gz`; blank lines skipped."""
+    opener = gzip.open if Path(path).suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as handle:
+        for line in handle:
+            if line.strip():
+                yield json.loads(line)
 
 
 def write_atomic(path: str | os.PathLike, text: str | bytes) -> None:

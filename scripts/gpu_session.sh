@@ -7,7 +7,7 @@
 #   4. into $OUT (8 files at most, 16 MiB each): results.json, session.log, the best drafter as tar parts.
 # Settings (environment): TRAIN_SECONDS (210), SESSION_SECONDS (560), VARIANTS (space-separated --variant values; the default three
 # each get a third of the GPU: v1's recipe on the larger data; with a pruned vocabulary and block 8 (both
-# gained held-out τ per CPU-hour in benchmarks/recipe_comparison.py); with KL distillation;
+# gained held-out τ per CPU-hour in benchmarks/training/recipe_comparison.py); with KL distillation;
 # depth was settled by v1's run, L5 over L3), TRAIN_ARGS (more train_on_gpu.py options), DEVICE (cuda),
 # BENCH_METHODS (all), BENCH_TOKENS (256), PYTHON (python3).
 # Rehearse it on CPU (the kit made by gpu_kit.py, a fresh target cache, tiny settings):

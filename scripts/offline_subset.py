@@ -28,11 +28,10 @@ import random
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from hf_dflash.data.packed import PackedDataset
+from hf_dflash.json_files import write_atomic, write_json_atomic
 
-from hf_dflash.data.packed import PackedDataset  # noqa: E402
-from hf_dflash.json_files import write_atomic, write_json_atomic  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 RECORD = "subset.json"
 HELD_OUT_FILE = "tokenized-99999.jsonl"

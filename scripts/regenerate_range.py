@@ -34,7 +34,7 @@ def regenerate(args: argparse.Namespace, work: Path) -> None:
     import torch
 
     from hf_dflash.data.regenerate import regenerate_responses
-    from hf_dflash.data.shards import read_jsonl
+    from hf_dflash.json_files import read_jsonl
     from hf_dflash.models import load_target
 
     torch.set_num_threads(args.threads)

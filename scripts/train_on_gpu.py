@@ -8,7 +8,8 @@ script runs the package's own stages (`regenerate_responses`, `tokenize_response
    of a 135M target is launch-bound, so parallel processes multiply throughput). At the deadline the
    workers are stopped; their finished shards (written atomically) are the data.
 2. Tokenization of every finished shard into one folder of `tokenized-*.jsonl`.
-3. Training: each `--variant NAME:key=value,...` (DFlashConfig overrides, e.g. `L5:num_hidden_layers=5`)
+3. Training: each `--variant NAME:key=value,...` (DFlashConfig overrides, e.g. `L5:num_hidden_layers=5`;
+   `training.` / `data.` keys reach those sections; grammar: `hf_dflash.trainer.variants`)
    trains in its own process, all at once. A variant first times 32 steps (`--calibration-steps`; the second half counts), then trains as many steps as
    its remaining time allows, so the cosine schedule ends exactly at the deadline.
    Concurrent variants each get an equal share of the GPU memory (a first run without the cap saw
@@ -40,14 +41,11 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from hf_dflash.trainer.variants import bf16_drafter_folder, parse_variant
+
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def read_prompts(path: Path) -> list[dict]:
-    with path.open(encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
 
 
 def gen_worker(args: argparse.Namespace) -> None:
@@ -55,9 +53,10 @@ def gen_worker(args: argparse.Namespace) -> None:
     import torch
 
     from hf_dflash.data.regenerate import regenerate_responses
+    from hf_dflash.json_files import read_jsonl
     from hf_dflash.models import load_target
 
-    prompts = read_prompts(Path(args.corpus))[args.index :: args.workers]
+    prompts = list(read_jsonl(args.corpus))[args.index :: args.workers]
     model, tokenizer = load_target(args.target, dtype=torch.bfloat16)
     model.to(args.device)
     regenerate_responses(
@@ -122,24 +121,6 @@ def tokenize(args: argparse.Namespace) -> Path:
     (Path(args.out) / "data_summary.json").write_text(json.dumps(totals, indent=2))
     log(f"tokenized: {totals}")
     return merged
-
-
-def parse_variant(spec: str) -> tuple[str, dict[str, dict]]:
-    """ "NAME:key=value,training.key=value,data.key=value" -> (NAME, {"drafter": {...}, "training": {...},
-    "data": {...}}); a bare key is a drafter (DFlashConfig) field; values are JSON (true, 8192, "kl")."""
-    name, _, items = spec.partition(":")
-    sections: dict[str, dict] = {"drafter": {}, "training": {}, "data": {}}
-    for item in filter(None, items.split(",")):
-        key, _, value = item.partition("=")
-        section, _, field = key.rpartition(".")
-        if (section or "drafter") not in sections:
-            raise ValueError(f"variant {name}: {key!r} must be a drafter field or start with training. or data.")
-        try:
-            parsed = json.loads(value)
-        except json.JSONDecodeError:
-            parsed = value  # a bare string such as kl
-        sections[section or "drafter"][field] = parsed
-    return name, sections
 
 
 def variant_config(args: argparse.Namespace, name: str, overrides: dict, output_dir: Path, max_steps: int) -> dict:
@@ -244,10 +225,11 @@ def train_variant(args: argparse.Namespace) -> None:
     }
     (root / name / "gpu_training_log.json").write_text(json.dumps(summary, indent=2))
     drafter = load_drafter(root / name).to(torch.bfloat16)
-    drafter.save_pretrained(root / f"{name}-bf16")
+    saved = bf16_drafter_folder(args.out, name)
+    drafter.save_pretrained(saved)
     for extra in ("README.md", "training_record.json", "gpu_training_log.json"):
         if (root / name / extra).is_file():
-            shutil.copyfile(root / name / extra, root / f"{name}-bf16" / extra)
+            shutil.copyfile(root / name / extra, saved / extra)
     log(
         f"{name}: done, eval tau {[entry['eval_tau'] for entry in summary['eval']]}, served-walk tau "
         f"{[entry['eval_served_tau'] for entry in summary['eval_served']]}"
@@ -269,6 +251,8 @@ def forwarded(args: argparse.Namespace) -> list[str]:
 
 
 def main() -> None:
+    from hf_dflash.modeling_dflash import DFlashConfig
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("stage", nargs="?", default="all", choices=("all", "gen-worker", "train-variant"))
     parser.add_argument("--corpus", default=None, help="prompts.jsonl of `hf-dflash prepare-data` (corpus stage)")
@@ -288,7 +272,7 @@ def main() -> None:
         "--variant", action="append", default=None,
         help="NAME:key=value,... (DFlashConfig fields; training.key / data.key for those sections)",
     )  # fmt: skip
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=DFlashConfig.block_size)
     parser.add_argument("--num-anchors", type=int, default=128)
     parser.add_argument("--train-batch-size", type=int, default=32)
     parser.add_argument("--eval-samples", type=int, default=64)

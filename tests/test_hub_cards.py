@@ -19,15 +19,13 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, TrainerState
 
 from hf_dflash import DFlashDraftModel
-from hf_dflash.checkpoints import detect_format, load_drafter, save_hub
+from hf_dflash.checkpoints import detect_format, export_drafter, load_drafter, push_folder, save_hub
 from hf_dflash.cli import main
 from hf_dflash.hub_cards import (
     REPO_ID_PLACEHOLDER,
     TrainingRecordCallback,
-    export_drafter,
     load_benchmark,
     load_training_record,
-    push_folder,
     record_data_from_prepare_data,
     render_model_card,
 )

@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from hf_dflash.cli import main
+from hf_dflash.data.feature_cache import OfflineFeatureDataset, cache_features, target_fingerprint, writer
+from hf_dflash.data.feature_cache import dataset as feature_dataset
 from hf_dflash.target_features import compute_target_features
-from hf_dflash.trainer import offline_features
-from hf_dflash.trainer.offline_features import OfflineFeatureDataset, cache_features, target_fingerprint
 from tests.conftest import make_target
 
 LAYER_IDS = [1, 3]
@@ -89,7 +89,7 @@ def test_cached_features_equal_single_sample_forward(target, data, tmp_path, dty
 def test_interrupted_run_resumes_to_the_same_cache(target, data, tmp_path, monkeypatch, crash):
     reference = cache_features(target, data, tmp_path / "reference", LAYER_IDS, batch_size=2, shard_size_bytes=1)
 
-    real_write = offline_features._write_shard
+    real_write = writer._write_shard
     writes = []
 
     def dies_on_second_shard(tensors, path):
@@ -101,23 +101,23 @@ def test_interrupted_run_resumes_to_the_same_cache(target, data, tmp_path, monke
             raise RuntimeError("killed")
         return entry
 
-    monkeypatch.setattr(offline_features, "_write_shard", dies_on_second_shard)
+    monkeypatch.setattr(writer, "_write_shard", dies_on_second_shard)
     resumed = tmp_path / "resumed"
     with pytest.raises(RuntimeError, match="killed"):
         cache_features(target, data, resumed, LAYER_IDS, batch_size=2, shard_size_bytes=1)
     if crash == "torn_log":  # died while appending the second shard's record
         with open(resumed / "progress.jsonl", "a") as handle:
             handle.write('{"shard": "features-00001.safetensors", "entry": {"by')
-        assert len(offline_features.recover_progress(resumed)["shards"]) == 1
+        assert len(writer.recover_progress(resumed)["shards"]) == 1
         assert (resumed / "progress.jsonl").read_text().count("\n") == 1  # the torn tail is cut off
     with pytest.raises(ValueError, match="unfinished"):
         open_dataset(resumed, data)
 
-    monkeypatch.setattr(offline_features, "_write_shard", real_write)
+    monkeypatch.setattr(writer, "_write_shard", real_write)
     computed = []
-    real_batch_features = offline_features.batch_features
+    real_batch_features = writer.batch_features
     monkeypatch.setattr(
-        offline_features,
+        writer,
         "batch_features",
         lambda target, tokens, *args: computed.extend(tokens) or real_batch_features(target, tokens, *args),
     )
@@ -135,7 +135,7 @@ def test_interrupted_run_resumes_to_the_same_cache(target, data, tmp_path, monke
 
 def test_rerun_on_a_finished_cache_computes_nothing(target, data, cache, monkeypatch):
     before = (cache / "index.json").read_text()
-    monkeypatch.setattr(offline_features, "batch_features", lambda *args: pytest.fail("recomputed a cached sample"))
+    monkeypatch.setattr(writer, "batch_features", lambda *args: pytest.fail("recomputed a cached sample"))
     cache_features(target, data, cache, LAYER_IDS, batch_size=2, shard_size_bytes=1)
     assert (cache / "index.json").read_text() == before
 
@@ -240,13 +240,13 @@ def test_changed_tokenized_file_raises(cache, data):
 
 def test_dataset_opens_shards_lazily_once_per_process(cache, data, monkeypatch):
     opened = []
-    real_safe_open = offline_features.safe_open
+    real_safe_open = feature_dataset.safe_open
 
     def counting_safe_open(path, **kwargs):
         opened.append(path)
         return real_safe_open(path, **kwargs)
 
-    monkeypatch.setattr(offline_features, "safe_open", counting_safe_open)
+    monkeypatch.setattr(feature_dataset, "safe_open", counting_safe_open)
     dataset = open_dataset(cache, data)
     assert opened == [] and dataset._handles == {}  # the constructor read headers only, no tensor
     index = dataset.index["samples"]

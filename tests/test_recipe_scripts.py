@@ -1,14 +1,17 @@
-"""The variant grammar shared by scripts/train_on_gpu.py and benchmarks/recipe_comparison.py, and the
-training dtype rule of the CPU path (the runs themselves are measured, not unit-tested)."""
+"""The variant grammar (hf_dflash.trainer.variants) shared by scripts/train_on_gpu.py and
+benchmarks/training/recipe_comparison.py, and the training dtype rule of the CPU path (the runs
+themselves are measured, not unit-tested)."""
 
 import importlib.util
 import json
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from hf_dflash import dtypes
+from hf_dflash.trainer.variants import parse_variant, starting_drafter, with_base
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -16,16 +19,17 @@ ROOT = Path(__file__).resolve().parents[1]
 def load_module(relative: str):
     spec = importlib.util.spec_from_file_location(Path(relative).stem, ROOT / relative)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a benchmark importing its sibling (learning_curve: recipe_comparison) finds it
     spec.loader.exec_module(module)
     return module
 
 
 train_on_gpu = load_module("scripts/train_on_gpu.py")
-recipe = load_module("benchmarks/recipe_comparison.py")
+recipe = load_module("benchmarks/training/recipe_comparison.py")
 
 
 def test_parse_variant_sections_and_json_values():
-    name, sections = train_on_gpu.parse_variant(
+    name, sections = parse_variant(
         'L2:num_hidden_layers=2,draft_vocab_size=null,training.loss_type=kl,training.eval_strategy="no",'
         "data.max_train_samples=250,init_from_target=true"
     )
@@ -36,31 +40,31 @@ def test_parse_variant_sections_and_json_values():
         "data": {"max_train_samples": 250},
     }
     with pytest.raises(ValueError, match="lora.r"):
-        train_on_gpu.parse_variant("X:lora.r=8")
+        parse_variant("X:lora.r=8")
 
 
 def test_base_comes_first_so_a_variant_overrides_it():
-    spec = recipe.with_base("L1:num_hidden_layers=1", "num_hidden_layers=2,training.seed=3")
-    _, sections = train_on_gpu.parse_variant(spec)
+    spec = with_base("L1:num_hidden_layers=1", "num_hidden_layers=2,training.seed=3")
+    _, sections = parse_variant(spec)
     assert sections["drafter"] == {"num_hidden_layers": 1}
     assert sections["training"] == {"seed": 3}
-    assert recipe.with_base("L2:", "num_hidden_layers=2") == "L2:num_hidden_layers=2"
+    assert with_base("L2:", "num_hidden_layers=2") == "L2:num_hidden_layers=2"
 
 
 def test_warm_start_keeps_its_architecture_and_names_its_start():
-    spec = recipe.with_base(
+    spec = with_base(
         "v1:init_from=models/x,training.learning_rate=2e-4",
         'num_hidden_layers=2,draft_vocab_size=8192,training.eval_strategy="no"',
     )
-    _, sections = train_on_gpu.parse_variant(spec)
+    _, sections = parse_variant(spec)
     assert sections["drafter"] == {"init_from": "models/x"}  # no architecture keys next to init_from
     assert sections["training"] == {"eval_strategy": "no", "learning_rate": 2e-4}
-    assert recipe.starting_drafter(spec) == "models/x"
-    assert recipe.starting_drafter("L2:num_hidden_layers=2") is None
+    assert starting_drafter(spec) == "models/x"
+    assert starting_drafter("L2:num_hidden_layers=2") is None
 
 
 def test_every_built_in_variant_parses_with_a_unique_name():
-    names = [train_on_gpu.parse_variant(recipe.with_base(spec, recipe.BASE))[0] for spec in recipe.VARIANTS]
+    names = [parse_variant(with_base(spec, recipe.BASE))[0] for spec in recipe.VARIANTS]
     assert len(set(names)) == len(names)
 
 
@@ -73,12 +77,12 @@ def test_training_autocasts_bf16_only_where_it_is_native(monkeypatch, flags, dev
     assert train_on_gpu.train_in_bf16(device) is expected
 
 
-curve = load_module("benchmarks/learning_curve.py")
+curve = load_module("benchmarks/training/learning_curve.py")
 
 
 def test_learning_curve_runs_share_steps_and_evaluation_points():
-    specs = [recipe.with_base(spec, curve.BASE) for spec in curve.run_specs(2400, 300, [2400, 5000], 64)]
-    parsed = [train_on_gpu.parse_variant(spec) for spec in specs]
+    specs = [with_base(spec, curve.BASE) for spec in curve.run_specs(2400, 300, [2400, 5000], 64)]
+    parsed = [parse_variant(spec) for spec in specs]
     assert [name for name, _ in parsed] == ["all-chats", "2400-chats", "5000-chats"]
     for _, sections in parsed:
         assert sections["training"]["max_steps"] == 2400 and sections["training"]["eval_steps"] == 300
@@ -147,7 +151,7 @@ offline_subset = load_module("scripts/offline_subset.py")
 
 def test_offline_subset_holds_out_the_fixed_chats_last_and_refuses_other_settings(tmp_path, capsys):
     from hf_dflash.data.packed import PackedDataset, pack_tokenized
-    from hf_dflash.trainer.datasets import TokenizedDataset
+    from hf_dflash.data.tokenized import TokenizedDataset
     from hf_dflash.trainer.train import held_out_indices
     from tests.test_data import make_char_tokenizer
     from tests.test_packed_data import SETTINGS, sample, write_tokenized

@@ -38,7 +38,7 @@ def test_the_weights_are_bf16_and_within_40_mb():
 
 def test_the_remote_code_is_the_package_code():
     """The folder's remote code must be today's (`hf-dflash export` copies it; the weights stay)."""
-    package = Path(load_drafter.__code__.co_filename).parent / "modeling_dflash"
+    package = Path(load_drafter.__code__.co_filename).parents[1] / "modeling_dflash"
     for name in ("configuration_dflash.py", "modeling_dflash.py"):
         assert (SHIPPED_DRAFTER / name).read_text() == (package / name).read_text(), f"re-export {name}"
 

@@ -9,8 +9,8 @@ import yaml
 from huggingface_hub import ModelCard
 
 from hf_dflash.checkpoints import load_drafter
+from hf_dflash.data.tokenized import TokenizedDataset
 from hf_dflash.models import load_any_target
-from hf_dflash.trainer.datasets import TokenizedDataset
 from hf_dflash.trainer.train import load_train_config, train_from_config
 from tests.conftest import make_target
 from tests.test_trainer import samples

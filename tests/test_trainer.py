@@ -9,7 +9,7 @@ from transformers import AutoModel, TrainerCallback
 
 from hf_dflash import DFlashDraftModel
 from hf_dflash.trainer import DFlashDataCollator, DFlashTrainer, DFlashTrainingArguments, compute_target_features
-from hf_dflash.trainer.trainer import dflash_training_forward
+from hf_dflash.trainer.forward import dflash_training_forward
 from tests.conftest import make_drafter, make_target
 
 BLOCK = 4

@@ -28,7 +28,7 @@ class BenchModels:
 
 
 def random_drafter(
-    target, tokenizer, seed: int = 0, num_hidden_layers: int = 3, block_size: int = 16
+    target, tokenizer, seed: int = 0, num_hidden_layers: int = 3, block_size: int = DFlashConfig.block_size
 ) -> DFlashDraftModel:
     """An untrained drafter for `target` (up to 5 target features, fewer for a shallow target)."""
     num_features = min(5, max(1, target.config.get_text_config().num_hidden_layers - 3))

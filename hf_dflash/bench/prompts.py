@@ -18,7 +18,8 @@ from itertools import islice
 from pathlib import Path
 
 from ..data.corpus import read_prompts_file
-from ..data.sources import load_source, locate, read_jsonl, record
+from ..data.sources import load_source, locate, record
+from ..json_files import read_jsonl
 
 __all__ = [
     "BENCH_SETS",

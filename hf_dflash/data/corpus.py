@@ -16,7 +16,6 @@ Your own prompts: a JSONL file, one object per line, either `{"prompt": str}` or
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import re
@@ -26,7 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .shards import check_stage_config, write_atomic, write_jsonl_atomic
+from ..json_files import write_atomic
+from ..packaged_files import file_sha256
+from .shards import check_stage_config, write_jsonl_atomic
 from .sources import TEMPLATE_PHRASES, TRAIN_SOURCES, load_eval_suite, load_source
 
 __all__ = [
@@ -204,7 +205,7 @@ def build_corpus(
     config = {
         "sources": list(sources),
         "prompts_file": str(Path(prompts_file).resolve()) if prompts_file else None,
-        "prompts_file_sha256": hashlib.sha256(Path(prompts_file).read_bytes()).hexdigest() if prompts_file else None,
+        "prompts_file_sha256": file_sha256(Path(prompts_file)) if prompts_file else None,
         "max_prompts": max_prompts,
         "seed": seed,
         "ngram": NGRAM,

@@ -30,8 +30,9 @@ from safetensors import safe_open
 from safetensors.torch import save
 from torch.utils.data import Dataset
 
-from ..json_files import write_atomic
-from .shards import read_jsonl
+from ..json_files import read_jsonl, write_atomic
+from ..packaged_files import file_sha256
+from .tokenize import chat_template_sha256
 
 __all__ = ["MANIFEST_NAME", "PACKED_FORMAT", "PackedDataset", "is_packed", "pack_tokenized", "read_manifest"]
 
@@ -44,19 +45,11 @@ def source_of(sample_id: str) -> str:
     return sample_id.split(":", 1)[0]
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def tokenizer_record(tokenizer) -> dict:
     return {
         "name": Path(tokenizer.name_or_path).name,
         "vocab_size": len(tokenizer),
-        "chat_template_sha256": hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest(),
+        "chat_template_sha256": chat_template_sha256(tokenizer),
     }
 
 
@@ -217,7 +210,7 @@ class PackedDataset(Dataset):
     def read_shard(path: Path, sha256: str) -> list[dict]:
         if not path.is_file():
             raise ValueError(f"{path} is listed in the manifest but missing.")
-        if sha256_of(path) != sha256:
+        if file_sha256(path) != sha256:
             raise ValueError(f"{path} does not match its sha256 in the manifest: corrupt or edited; restore it.")
         with safe_open(str(path), framework="pt") as handle:
             ids = json.loads(handle.metadata()["ids"])

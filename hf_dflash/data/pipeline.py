@@ -15,10 +15,11 @@ from pathlib import Path
 
 import torch
 
+from ..json_files import read_jsonl
+from ..modeling_dflash import DFlashConfig
 from ..models import DEFAULT_TARGET, load_target
 from .corpus import build_corpus
 from .regenerate import DEFAULT_REGENERATION_BATCH, DEFAULT_REGENERATION_SHARD, regenerate_responses
-from .shards import read_jsonl
 from .sources import TRAIN_SOURCES
 from .tokenize import tokenize_responses
 
@@ -39,7 +40,7 @@ def prepare_data(
     shard_size: int = DEFAULT_REGENERATION_SHARD,
     max_length: int = 3072,
     max_prompt_tokens: int | None = None,
-    block_size: int = 16,
+    block_size: int = DFlashConfig.block_size,
     seed: int = 0,
     progress: bool = True,
     eval_suite: dict[str, list[dict]] | None = None,

@@ -30,7 +30,7 @@ __all__ = ["SHARD_PREFIX", "generate_replies", "regenerate_responses", "shard_se
 
 SHARD_PREFIX = "responses"
 # Rows per continuous batch and prompts per shard. Measured on 2 CPU cores (SmolLM2-135M, bf16, 1 torch
-# thread, `benchmarks/regeneration_speed.py --methods continuous --batch-sizes 32,64,96`): 180 / 190 /
+# thread, `benchmarks/data/regeneration_speed.py --methods continuous --batch-sizes 32,64,96`): 180 / 190 /
 # 172 reply tok/s; a shard holds a few batches so that rows can keep joining.
 DEFAULT_REGENERATION_BATCH = 64
 DEFAULT_REGENERATION_SHARD = 256
@@ -138,31 +138,22 @@ def regenerate_shard(
             else:
                 pending.append((i, ids))
         pending.sort(key=lambda item: -len(item[1]))  # similar lengths share a batch; the longest run first
-        if temperature == 0 and continuous_batching_supported(model):
-            # Greedy: rows leave as they finish and new prompts join (see continuous.py).
-            replies = continuous_greedy_replies(
-                model,
-                [ids for _, ids in pending],
-                eos_ids=eos_ids,
-                pad_id=pad_id,
-                max_new_tokens=max_new_tokens,
-                batch_size=batch_size,
-                on_reply=on_replies,
-            )
-            record_replies(tokenizer, rows, [i for i, _ in pending], replies, eos_ids)
-            continue
-        for start in range(0, len(pending), batch_size):
-            batch = pending[start : start + batch_size]
-            replies = generate_replies(
-                model,
-                [ids for _, ids in batch],
-                eos_ids=eos_ids,
-                pad_id=pad_id,
-                temperature=temperature,
-                max_new_tokens=max_new_tokens,
-            )
+        # Greedy: rows leave as they finish and new prompts join (see continuous.py), so one call takes every
+        # pending prompt; otherwise left-padded batches of `batch_size`.
+        continuous = temperature == 0 and continuous_batching_supported(model)
+        batches = [pending] if continuous else [pending[s : s + batch_size] for s in range(0, len(pending), batch_size)]
+        common = {"eos_ids": eos_ids, "pad_id": pad_id, "max_new_tokens": max_new_tokens}
+        for batch in batches:
+            prompt_ids = [ids for _, ids in batch]
+            if continuous:
+                replies = continuous_greedy_replies(
+                    model, prompt_ids, batch_size=batch_size, on_reply=on_replies, **common
+                )
+            else:
+                replies = generate_replies(model, prompt_ids, temperature=temperature, **common)
             record_replies(tokenizer, rows, [i for i, _ in batch], replies, eos_ids)
-            on_replies(len(batch))
+            if not continuous:
+                on_replies(len(batch))  # continuous batching reports each reply as it ends
     return rows
 
 

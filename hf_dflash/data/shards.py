@@ -1,4 +1,4 @@
-"""Crash-safe files for the data pipeline: JSONL read/write, atomic writes, stage settings.
+"""Crash-safe files for the data pipeline: shard names, atomic JSONL writes, stage settings.
 
 A file appears under its final name only once complete (written to a hidden temporary sibling,
 then renamed), so after a kill every visible shard is whole. Each stage folder records the settings
@@ -9,12 +9,12 @@ two kinds of data in one folder.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 from ..json_files import write_atomic
 
-__all__ = ["check_stage_config", "read_jsonl", "shard_name", "write_atomic", "write_jsonl_atomic"]
+__all__ = ["check_stage_config", "shard_name", "write_jsonl_atomic"]
 
 CONFIG_FILE = "config.json"
 
@@ -27,14 +27,6 @@ def shard_name(prefix: str, index: int) -> str:
 def write_jsonl_atomic(path: Path, rows: Iterable[dict]) -> None:
     """Write one JSON object per line, atomically."""
     write_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-
-
-def read_jsonl(path: Path) -> Iterator[dict]:
-    """Rows of a JSONL file we wrote (blank lines skipped)."""
-    with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            if line.strip():
-                yield json.loads(line)
 
 
 def remove_partial_files(folder: Path) -> None:

@@ -16,15 +16,15 @@ generated in between, never taken from the data. Math prompts use the paper's fo
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
+from ..json_files import read_jsonl
 from ..packaged_files import file_sha256, package_file
 
 __all__ = [
@@ -200,15 +200,6 @@ def locate(name: str) -> Path:
         )
     _VERIFIED[name] = path
     return path
-
-
-def read_jsonl(path: Path) -> Iterator[dict]:
-    """Rows of a (possibly gzipped) JSONL file, blank lines skipped."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as handle:
-        for line in handle:
-            if line.strip():
-                yield json.loads(line)
 
 
 def record(source: str, key: object, *user_turns: str) -> dict:

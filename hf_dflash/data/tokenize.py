@@ -20,10 +20,18 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
+from ..json_files import read_jsonl, write_atomic
+from ..modeling_dflash import DFlashConfig
 from .regenerate import SHARD_PREFIX as RESPONSES_PREFIX
-from .shards import check_stage_config, read_jsonl, write_atomic, write_jsonl_atomic
+from .shards import check_stage_config, write_jsonl_atomic
 
-__all__ = ["SHARD_PREFIX", "assistant_char_spans", "tokenize_conversation", "tokenize_responses"]
+__all__ = [
+    "SHARD_PREFIX",
+    "assistant_char_spans",
+    "chat_template_sha256",
+    "tokenize_conversation",
+    "tokenize_responses",
+]
 
 SHARD_PREFIX = "tokenized"
 SUMMARY_FILE = "summary.json"
@@ -83,13 +91,18 @@ def tokenize_conversation(tokenizer: PreTrainedTokenizerBase, messages: list[dic
     return input_ids, loss_mask
 
 
+def chat_template_sha256(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Hex SHA-256 of the tokenizer's chat template (recorded with tokenised and packed data)."""
+    return hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()
+
+
 def tokenize_responses(
     tokenizer: PreTrainedTokenizerBase,
     responses_dir: str | Path,
     out_dir: str | Path,
     *,
     max_length: int = 3072,
-    block_size: int = 16,
+    block_size: int = DFlashConfig.block_size,
 ) -> dict:
     """Tokenise every response shard in `responses_dir` into `out_dir`; returns the summary.
 
@@ -103,7 +116,7 @@ def tokenize_responses(
         out_dir,
         {
             "tokenizer": Path(tokenizer.name_or_path).name,
-            "chat_template_sha256": hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest(),
+            "chat_template_sha256": chat_template_sha256(tokenizer),
             "vocab_size": len(tokenizer),
             "max_length": max_length,
             "block_size": block_size,

@@ -20,7 +20,7 @@ import functools
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerationMixin
 
-from ..foreign_formats import looks_like_dflash_drafter
+from ..checkpoints import looks_like_dflash_drafter
 from ..modeling_dflash import DFlashDraftModel
 from .decoding import dflash_decoding
 from .pairing import check_pairing

@@ -1,6 +1,7 @@
-"""The model card of a published drafter: `template.md` rendered through `huggingface_hub.ModelCard`.
+"""Model cards: a published drafter's (`template.md` rendered through `huggingface_hub.ModelCard`) and
+the short one `save_hub` writes beside any checkpoint (`short_model_card`).
 
-Three inputs fill it:
+Three inputs fill the published card:
 * the drafter's `DFlashConfig` (block size, layers, `target_layer_ids`, `mask_token_id`) and the
   target's Hub id (`base_model`);
 * optionally the trainer's `training_record.json` and the latest benchmark JSON (both schemas:
@@ -113,6 +114,38 @@ def attention_description(config: DFlashConfig) -> str:
     return "; ".join(parts)
 
 
+def short_model_card(config: DFlashConfig) -> str:
+    """The short `README.md` that `save_hub` writes beside a checkpoint (no target, no numbers; a
+    published repository gets `render_model_card` instead)."""
+    return f"""---
+library_name: transformers
+tags:
+- dflash
+- speculative-decoding
+- block-diffusion
+---
+
+# DFlash drafter
+
+A [DFlash](https://arxiv.org/abs/2602.06036) block-diffusion drafter for speculative decoding. It has
+no embedding and no LM head: it borrows the target model's.
+
+| field | value |
+|---|---|
+| block_size | {config.block_size} |
+| target_layer_ids | {list(config.target_layer_ids)} |
+| num_target_layers | {config.num_target_layers} |
+| mask_token_id | {config.mask_token_id} |
+| vocab_size | {config.vocab_size} |
+
+```python
+from transformers import AutoModel
+
+drafter = AutoModel.from_pretrained("<this repo>", trust_remote_code=True)
+```
+"""
+
+
 def render_model_card(
     config: DFlashConfig,
     target_id: str,
@@ -168,4 +201,4 @@ def render_model_card(
     )
 
 
-__all__ = ["REPO_ID_PLACEHOLDER", "TAGS", "format_number", "render_model_card"]
+__all__ = ["REPO_ID_PLACEHOLDER", "TAGS", "format_number", "render_model_card", "short_model_card"]

@@ -1,7 +1,9 @@
+from ..data.feature_cache import OfflineFeatureDataset, cache_features, target_fingerprint
+from ..data.tokenized import TokenizedDataset
 from ..target_features import compute_target_features
 from .arguments import DFlashTrainingArguments
 from .collator import DFlashDataCollator
-from .datasets import TokenizedDataset
+from .forward import dflash_training_forward
 from .maths import (
     acceptance_estimate,
     build_blocks,
@@ -11,8 +13,7 @@ from .maths import (
     select_anchors,
     weighted_cross_entropy_sum,
 )
-from .offline_features import OfflineFeatureDataset, cache_features, target_fingerprint
-from .trainer import DFlashTrainer, dflash_training_forward
+from .trainer import DFlashTrainer
 
 __all__ = [
     "DFlashDataCollator",

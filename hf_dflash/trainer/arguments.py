@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from ..modeling_dflash import DFlashConfig
 from .maths import default_decay_gamma
 
 LOSS_TYPES = ("ce", "kl")
@@ -14,7 +15,10 @@ FEATURE_MODES = ("online", "offline")
 class DFlashTrainingArguments(TrainingArguments):
     """Paper defaults (SPEC §4): AdamW, lr 6e-4, cosine schedule, 4% warm-up, clip 1.0, 6 epochs."""
 
-    block_size: int = field(default=16, metadata={"help": "Block size drafted per round (anchor + bs-1 masks)."})
+    block_size: int = field(
+        default=DFlashConfig.block_size,  # the drafter config's default (the paper's 16): one number for both
+        metadata={"help": "Block size drafted per round (anchor + bs-1 masks)."},
+    )
     num_anchors: int = field(
         default=512, metadata={"help": "Anchors (blocks) drawn per sequence each step, without replacement."}
     )

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..target_features import compute_target_features
+from .forward import dflash_training_forward
 from .maths import build_blocks
 
 __all__ = ["ServedTauEstimate", "anchor_taus", "reply_spans", "served_tau_estimate", "walk_served_rounds"]
@@ -81,8 +82,6 @@ def served_tau_estimate(
     the packed training forward with an anchor at EVERY reply position (in chunks of `anchors_per_forward`
     to bound memory), and argmax drafts are compared with the data tokens (the target's own greedy reply).
     """
-    from .trainer import dflash_training_forward  # the exact training forward (import here: no cycle)
-
     config = drafter.config
     block_size, device = config.block_size, next(drafter.parameters()).device
     lm_head, embedding = target.get_output_embeddings(), target.get_input_embeddings()

@@ -37,13 +37,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..checkpoints import load_drafter
 from ..data.packed import PackedDataset, is_packed, source_of
+from ..data.tokenized import TokenizedDataset
 from ..hub_cards import TrainingRecordCallback, record_data_from_prepare_data
 from ..json_files import write_json_atomic
 from ..modeling_dflash import DFlashConfig, DFlashDraftModel
 from ..models import load_any_target
 from .arguments import DFlashTrainingArguments
 from .config_schema import validate_train_config
-from .datasets import TokenizedDataset
 from .draft_vocab import draft_vocab_report, select_draft_vocab, supervised_token_counts
 from .initialization import init_from_target
 from .trainer import DFlashTrainer
@@ -138,7 +138,7 @@ def build_drafter(section: dict, target, tokenizer, block_size: int) -> DFlashDr
 
 def build_datasets(section: dict, args: DFlashTrainingArguments, drafter: DFlashDraftModel, vocab_size: int):
     if args.feature_mode == "offline":
-        from .offline_features import OfflineFeatureDataset
+        from ..data.feature_cache import OfflineFeatureDataset
 
         dataset = OfflineFeatureDataset(
             section["features"],

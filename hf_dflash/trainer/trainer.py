@@ -8,46 +8,14 @@ from transformers import PreTrainedModel, Trainer
 
 from ..hub_cards import TAGS as CARD_TAGS
 from ..hub_cards import TRAINING_RECORD_NAME, render_model_card
-from ..modeling_dflash import DFlashConfig, DFlashDraftModel
+from ..modeling_dflash import DFlashDraftModel
 from ..models import KNOWN_TARGETS
 from ..target_features import compute_target_features, compute_target_features_and_logits
 from .arguments import DFlashTrainingArguments
 from .collator import DFlashDataCollator
 from .consistency import served_tau_estimate
-from .maths import (
-    acceptance_estimate,
-    build_training_block_mask,
-    build_training_mask,
-    target_to_draft_index,
-    training_position_ids,
-    weighted_cross_entropy_sum,
-    weighted_kl_sum,
-)
-
-
-def dflash_training_forward(
-    drafter: torch.nn.Module,
-    embedding: torch.nn.Module,
-    batch: dict,
-    target_hidden_states: torch.Tensor,
-    config: DFlashConfig,
-) -> torch.Tensor:
-    """Packed multi-block forward: (B, A*bs, H) drafter outputs for every block of the batch at once.
-
-    `drafter` may be wrapped (DDP, PEFT); `config` is its `DFlashConfig` (block size, attention
-    implementation: flex attention gets a `BlockMask`, SDPA/eager a dense mask). target_hidden_states (B, S, n*Ht) are the features of the
-    clean sequence; each block sees those strictly before its anchor and its own block
-    (see `build_training_mask`).
-    """
-    seq_len = batch["input_ids"].shape[1]
-    build = build_training_block_mask if config._attn_implementation == "flex_attention" else build_training_mask
-    mask = build(batch["anchor_positions"], batch["anchor_valid"], seq_len, config.block_size)
-    return drafter(
-        noise_embeds=embedding(batch["block_ids"]),
-        context_hidden_states=target_hidden_states,
-        position_ids=training_position_ids(batch["block_positions"], seq_len),
-        attention_mask=mask,
-    ).last_hidden_state
+from .forward import dflash_training_forward
+from .maths import acceptance_estimate, target_to_draft_index, weighted_cross_entropy_sum, weighted_kl_sum
 
 
 def check_training_pairing(target: PreTrainedModel, drafter: DFlashDraftModel) -> None:

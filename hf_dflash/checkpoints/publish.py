@@ -1,4 +1,4 @@
-"""A drafter as a complete Hub repository folder, and pushing that folder to the Hub.
+"""Publishing: a drafter as a complete Hub repository folder, and pushing that folder to the Hub.
 
     export_drafter("out/drafter", "out/repo", target_id="HuggingFaceTB/SmolLM2-135M-Instruct",
                    benchmark_json="out/bench.json", training_record="out/drafter/training_record.json",
@@ -32,9 +32,12 @@ from huggingface_hub import CommitOperationAdd
 from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 
-from ..checkpoints import CONFIG_NAME, _as_dtype, load_drafter, save_hub, save_official
-from .card import REPO_ID_PLACEHOLDER, render_model_card
-from .schemas import BENCHMARK_NAME, TRAINING_RECORD_NAME, load_benchmark, load_training_record
+from ..hub_cards.card import REPO_ID_PLACEHOLDER, render_model_card
+from ..hub_cards.schemas import BENCHMARK_NAME, TRAINING_RECORD_NAME, load_benchmark, load_training_record
+from .files import CONFIG_NAME, as_dtype
+from .hub import save_hub
+from .loading import load_drafter
+from .official import save_official
 
 OFFICIAL_SUBFOLDER = "official"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -82,7 +85,7 @@ def export_drafter(
     # Validate every input before the first file is written.
     benchmark = load_benchmark(benchmark_json) if benchmark_json is not None else None
     record = load_training_record(training_record) if training_record is not None else None
-    weights_dtype = _as_dtype(dtype)
+    weights_dtype = as_dtype(dtype)
     out = Path(out_dir)
     if out.is_file() or (out.is_dir() and any(out.iterdir())):
         raise ValueError(

@@ -7,7 +7,7 @@ this measures the drafts, not the machine). Rules: Transformers' prompt lookup (
 suffix n-gram, n <= 2, stops at the text's end) and `hf_dflash.generation.ngram.ngram_continuation`
 (latest occurrence of the longest suffix n-gram, n <= cap, overlapping copy) for several caps.
 
-    python benchmarks/ngram_match_length.py --num-prompts 3 --out out/ngram_match_length.json
+    python benchmarks/generation/ngram_match_length.py --num-prompts 3 --out out/ngram_match_length.json
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ the speed-up over plain and whether every output equals plain greedy; writes all
 In bf16 a k-token verification may round a near-tie differently from one-token plain decoding, so a
 "NO" there is not necessarily a bug: `--dtype float32` must give "yes" everywhere.
 
-    python benchmarks/adaptive_block_size.py --drafter out/drafter
-    python benchmarks/adaptive_block_size.py --drafter out/drafter --batch-size 4 --out out/adaptive_b4.json
-    python benchmarks/adaptive_block_size.py --drafter random --sets gsm8k --num-prompts 1 --max-new-tokens 16
+    python benchmarks/generation/adaptive_block_size.py --drafter out/drafter
+    python benchmarks/generation/adaptive_block_size.py --drafter out/drafter --batch-size 4 --out out/adaptive_b4.json
+    python benchmarks/generation/adaptive_block_size.py --drafter random --sets gsm8k --num-prompts 1 --max-new-tokens 16
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ drafting verifies a tree; the cache is cropped back after each), and plain greed
 on a chat prompt. The dtypes alternate inside every repetition, so machine drift hits both alike;
 medians are reported.
 
-    python benchmarks/target_dtype.py --reps 7 --out out/target_dtype.json
+    python benchmarks/generation/target_dtype.py --reps 7 --out out/target_dtype.json
 """
 
 from __future__ import annotations

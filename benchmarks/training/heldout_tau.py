@@ -6,7 +6,7 @@ them, predicted round for round by the training forward) and the uniform all-anc
 held-out chats of a packed folder (`--eval-part`: the first `--samples` chats of that part, a set that
 does not move when more data is packed; without it, the last `--samples` chats).
 
-    python benchmarks/heldout_tau.py models/smollm2-135m-instruct-dflash out/run/drafters/L3-bf16 \\
+    python benchmarks/training/heldout_tau.py models/smollm2-135m-instruct-dflash out/run/drafters/L3-bf16 \\
         --data data/smollm2-135m-instruct --eval-part regen-bf16-part2 --samples 64
 """
 

@@ -2,13 +2,13 @@
 
 Each variant trains from the committed data for the same wall-clock budget on one thread
 (`scripts/train_on_gpu.py --device cpu`, `--parallel` variants at a time, one core each: a variant
-whose steps are cheaper gets more of them), then every drafter is scored by `benchmarks/heldout_tau.py`
+whose steps are cheaper gets more of them), then every drafter is scored by `benchmarks/training/heldout_tau.py`
 on the same fixed held-out chats (the first `--samples` chats of `--eval-part`), beside the shipped
 drafter. Prints a table and writes JSON. Re-running resumes: a variant whose drafter is already saved
 is not trained again.
 
-    python benchmarks/recipe_comparison.py --out-dir out/recipe --train-seconds 720 \\
-        --json docs/results/recipe_comparison_cpu.json
+    python benchmarks/training/recipe_comparison.py --out-dir out/recipe --train-seconds 720 \\
+        --json docs/results/training/recipe_comparison_cpu.json
 
 A variant is `NAME:key=value,...` as in `scripts/train_on_gpu.py` (bare keys are DFlashConfig fields,
 `training.` / `data.` keys reach those sections); `--base` is prepended to every variant.
@@ -25,9 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-from train_on_gpu import parse_variant  # noqa: E402  (the one grammar of a variant spec)
+from hf_dflash.trainer.variants import bf16_drafter_folder, starting_drafter, variant_name, with_base
+
+ROOT = Path(__file__).resolve().parents[2]
 
 BASE = 'num_hidden_layers=2,draft_vocab_size=8192,training.dataloader_num_workers=0,training.eval_strategy="no"'
 # Depth, draft vocabulary, block size, initialisation, distillation, one learning-curve point (250
@@ -46,21 +46,6 @@ VARIANTS = (
 )
 
 
-def parse_name(spec: str) -> str:
-    return parse_variant(spec)[0]
-
-
-def with_base(spec: str, base: str) -> str:
-    """ "NAME:overrides" with `base` first (a later key overrides an earlier one in train_on_gpu). A
-    variant that starts from a saved drafter (init_from) keeps its architecture: only the base's
-    training./data. keys apply to it."""
-    name, _, items = spec.partition(":")
-    base_items = base.split(",") if base else []
-    if "init_from=" in items:
-        base_items = [item for item in base_items if "." in item.partition("=")[0]]
-    return f"{name}:{','.join(filter(None, [*base_items, items]))}"
-
-
 def train_group(specs: list[str], args: argparse.Namespace) -> None:
     """Train `specs` at once, one thread each, for --train-seconds (train_on_gpu's CPU path)."""
     command = [
@@ -73,23 +58,23 @@ def train_group(specs: list[str], args: argparse.Namespace) -> None:
     for spec in specs:
         command += ["--variant", with_base(spec, args.base)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-    print(f"[{time.strftime('%H:%M:%S')}] training {', '.join(map(parse_name, specs))}", flush=True)
+    print(f"[{time.strftime('%H:%M:%S')}] training {', '.join(map(variant_name, specs))}", flush=True)
     subprocess.run(command, env=env, check=True)
 
 
 def train_missing(specs: list[str], args: argparse.Namespace) -> None:
     """Train the specs whose drafter is not saved yet, --parallel at a time (re-running resumes)."""
-    todo = [spec for spec in specs if not drafter_folder(args.out_dir, parse_name(spec)).is_dir()]
+    todo = [spec for spec in specs if not bf16_drafter_folder(args.out_dir, variant_name(spec)).is_dir()]
     for start in range(0, len(todo), args.parallel):
         train_group(todo[start : start + args.parallel], args)
 
 
 def score_heldout(drafters: list[str], args: argparse.Namespace, out_json: Path) -> dict[str, dict]:
-    """`benchmarks/heldout_tau.py` on `drafters` (all cores): its row per drafter folder, by folder."""
+    """`benchmarks/training/heldout_tau.py` on `drafters` (all cores): its row per drafter folder, by folder."""
     subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "heldout_tau.py"),
+            str(Path(__file__).with_name("heldout_tau.py")),
             *drafters,
             "--data",
             args.data,
@@ -119,15 +104,6 @@ def write_result(args: argparse.Namespace, settings: dict, **results) -> None:
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
 
-def drafter_folder(out_dir: Path, name: str) -> Path:
-    return out_dir / "drafters" / f"{name}-bf16"
-
-
-def starting_drafter(spec: str) -> str | None:
-    """The folder a warm-started variant continues from (its init_from), else None (from scratch)."""
-    return parse_variant(spec)[1]["drafter"].get("init_from")
-
-
 def add_run_arguments(parser: argparse.ArgumentParser, out_dir: str, base: str) -> None:
     """The options of CPU training runs scored on held-out chats (this script's and learning_curve's)."""
     parser.add_argument("--out-dir", default=out_dir, help="runs and drafters (resumed)")
@@ -154,13 +130,13 @@ def main() -> None:
     args = parser.parse_args()
     args.out_dir = Path(args.out_dir)
     specs = args.variant or list(VARIANTS)
-    names = [parse_name(spec) for spec in specs]
+    names = [variant_name(spec) for spec in specs]
     if len(set(names)) != len(names):
         parser.error(f"variant names must be unique, got {names}")
 
     train_missing(specs, args)
 
-    scored = [str(drafter_folder(args.out_dir, name)) for name in names]
+    scored = [str(bf16_drafter_folder(args.out_dir, name)) for name in names]
     missing = [path for path in scored if not Path(path).is_dir()]
     if missing:
         raise SystemExit(f"recipe_comparison: error: training did not save {missing}; see the log above")

@@ -6,13 +6,13 @@ them). Each run logs `eval_served_tau` on the same fixed held-out chats (the fir
 `--eval-part`) every `--eval-every` steps: on all the data every point is the τ after that many
 *distinct* chats; where the subset's curve falls below it at equal steps, the subset ran out of data.
 After training, the final drafters (and the shipped one) are scored again by
-`benchmarks/heldout_tau.py`, which must agree with the last logged point. Prints a table, writes JSON.
+`benchmarks/training/heldout_tau.py`, which must agree with the last logged point. Prints a table, writes JSON.
 Re-running resumes: a run whose drafter is saved is not trained again.
 
-    python benchmarks/learning_curve.py --out-dir out/curve600 --steps 600 --eval-every 150 --subset 600 \\
-        --json docs/results/learning_curve_cpu.json
+    python benchmarks/training/learning_curve.py --out-dir out/curve600 --steps 600 --eval-every 150 --subset 600 \\
+        --json docs/results/training/learning_curve_cpu.json
 
-The runs go through `benchmarks/recipe_comparison.py`'s training (`scripts/train_on_gpu.py --device
+The runs go through `benchmarks/training/recipe_comparison.py`'s training (`scripts/train_on_gpu.py --device
 cpu`, one thread per run, `--parallel` at a time); the intermediate points are not annealed (the
 cosine schedule ends at `--steps`), the same for every run.
 """
@@ -21,20 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from recipe_comparison import (  # noqa: E402
-    add_run_arguments,
-    drafter_folder,
-    parse_name,
-    score_heldout,
-    train_missing,
-    with_base,
-    write_result,
-)
+# The CPU runs and their scoring are recipe_comparison's (beside this file: found without a sys.path edit).
+from recipe_comparison import add_run_arguments, score_heldout, train_missing, write_result
+
+from hf_dflash.trainer.variants import bf16_drafter_folder, variant_name, with_base
 
 # The recipe comparison's winner per CPU-hour: 2 layers, block 8 (γ 4), the 8,192-id draft vocabulary.
 BASE = "num_hidden_layers=2,draft_vocab_size=8192,block_size=8,training.block_size=8,training.dataloader_num_workers=0"
@@ -49,7 +41,7 @@ def run_specs(steps: int, eval_every: int, subsets: list[int], samples: int) -> 
 
 def curve_points(log: dict, batch_size: int, train_samples: int) -> list[dict]:
     """One row per logged evaluation: step, chats seen, epochs, served-walk and all-anchor τ (both from
-    the trainer's walk over the held-out chats, as `benchmarks/heldout_tau.py` computes them)."""
+    the trainer's walk over the held-out chats, as `benchmarks/training/heldout_tau.py` computes them)."""
     return [
         {
             "step": entry["step"],
@@ -76,10 +68,10 @@ def main() -> None:
         parser.error(f"--eval-every must be in 1..--steps, got {args.eval_every} with --steps {args.steps}")
     args.out_dir = Path(args.out_dir)
     specs = run_specs(args.steps, args.eval_every, args.subset or [2400], args.samples)
-    names = [parse_name(spec) for spec in specs]
+    names = [variant_name(spec) for spec in specs]
     train_missing(specs, args)
 
-    folders = [drafter_folder(args.out_dir, name) for name in names]
+    folders = [bf16_drafter_folder(args.out_dir, name) for name in names]
     heldout = score_heldout([args.reference, *map(str, folders)], args, args.out_dir / "heldout.json")
     runs = []
     for spec, name, folder in zip(specs, names, folders):

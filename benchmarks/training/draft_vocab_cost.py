@@ -9,7 +9,7 @@ The subset is the most frequent supervised tokens of the training part of the pa
 coverage of the held-out part (the last 10%) is reported too. Sizes are timed interleaved, `--reps`
 times each, and the median is reported. Prints a table and writes JSON.
 
-    python benchmarks/draft_vocab_cost.py --data data/smollm2-135m-instruct --sizes full,8192,4096 \
+    python benchmarks/training/draft_vocab_cost.py --data data/smollm2-135m-instruct --sizes full,8192,4096 \
         --layers 5 --reps 5 --drafter models/smollm2-135m-instruct-dflash --out out/draft_vocab_cost.json
 
 With --drafter, a trained full-vocabulary drafter is also restricted to each subset (no retraining) and
@@ -33,8 +33,8 @@ from hf_dflash.models import load_target
 from hf_dflash.target_features import compute_target_features
 from hf_dflash.trainer.collator import DFlashDataCollator
 from hf_dflash.trainer.draft_vocab import select_draft_vocab, supervised_token_counts
+from hf_dflash.trainer.forward import dflash_training_forward
 from hf_dflash.trainer.maths import target_to_draft_index, weighted_cross_entropy_sum
-from hf_dflash.trainer.trainer import dflash_training_forward
 
 
 def restrict_vocab(drafter: DFlashDraftModel, size: int | None, ids) -> DFlashDraftModel:

@@ -10,7 +10,7 @@ The walk equals the served τ when the target reproduces the stored reply (greed
 data); a reply the target does not reproduce is flagged and excluded from the comparison. A gap over 3%
 on reproduced replies is a bug. Writes JSON.
 
-    python benchmarks/train_serve_consistency.py --drafter models/smollm2-135m-instruct-dflash \
+    python benchmarks/training/train_serve_consistency.py --drafter models/smollm2-135m-instruct-dflash \
         --data data/smollm2-135m-instruct --samples 12 --dtype float32 --out out/consistency.json
 """
 

@@ -4,10 +4,10 @@ Every path produces the target's greedy replies to the same prompts (first user 
 prompts <= --max-prompt-tokens); the table gives reply tokens per second, timed one after the other
 on the same prompts. The prompts mix the training sources in equal shares (seeded).
 
-    python benchmarks/regeneration_speed.py --num-prompts 64 --batch-sizes 32 --max-new-tokens 384 \
+    python benchmarks/data/regeneration_speed.py --num-prompts 64 --batch-sizes 32 --max-new-tokens 384 \
         --dtype bfloat16 --out out/regeneration_speed.json
     # batch size by measurement, continuous batching only, one torch thread (as a background job runs):
-    python benchmarks/regeneration_speed.py --methods continuous --batch-sizes 32,96 --num-prompts 192 \
+    python benchmarks/data/regeneration_speed.py --methods continuous --batch-sizes 32,96 --num-prompts 192 \
         --threads 1 --max-new-tokens 256
 """
 

@@ -1,4 +1,4 @@
-"""Tokenised training samples (`tokenized-*.jsonl` from `hf-dflash prepare-data`) for online training."""
+"""Tokenised training samples (`tokenized-*.jsonl` from `hf-dflash prepare-data`): checking one, and all of a folder."""
 
 import json
 from pathlib import Path

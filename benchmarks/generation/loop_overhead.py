@@ -12,10 +12,10 @@ minus the draft LM head and embedding: pure Python/tensor bookkeeping).
 
 Plain greedy `target.generate` runs on the same prompt, interleaved with the DFlash runs.
 
-    python benchmarks/loop_overhead.py --reps 3 --out out/loop_overhead.json
-    python benchmarks/loop_overhead.py --breakdown   # + where the glue goes (one extra instrumented run)
-    python benchmarks/loop_overhead.py --profile out/loop_overhead.prof   # + cProfile of one DFlash run
-    python benchmarks/loop_overhead.py --force-tau 4   # drafts forced to the target's greedy text (tau = 4)
+    python benchmarks/generation/loop_overhead.py --reps 3 --out out/loop_overhead.json
+    python benchmarks/generation/loop_overhead.py --breakdown   # + where the glue goes (one extra instrumented run)
+    python benchmarks/generation/loop_overhead.py --profile out/loop_overhead.prof   # + cProfile of one DFlash run
+    python benchmarks/generation/loop_overhead.py --force-tau 4   # drafts forced to the target's greedy text (tau = 4)
 
 `--breakdown` wraps, in this process only, the helpers the loop calls (module globals of
 hf_dflash.generation.decoding / candidate_generator, the target's generate helpers, cache crops)

@@ -4,7 +4,7 @@ Data: GSM8K train questions with their reference answers as the assistant turn (
 throughput does not depend on who wrote the answer). Each mode runs in its own process so peak RSS
 is its own. Prints a table and writes JSON.
 
-    python benchmarks/train_speed.py --samples 64 --steps 8 --out out/train_speed.json
+    python benchmarks/training/train_speed.py --samples 64 --steps 8 --out out/train_speed.json
 """
 
 import argparse
@@ -26,7 +26,8 @@ MODES = {
 
 def write_tokenized(folder: Path, samples: int, max_length: int) -> int:
     """GSM8K train (question, answer) chats -> tokenized-00000.jsonl; returns the token count."""
-    from hf_dflash.data.sources import locate, read_jsonl
+    from hf_dflash.data.sources import locate
+    from hf_dflash.json_files import read_jsonl
     from hf_dflash.models import load_target
 
     _, tokenizer = load_target("smollm2-135m-instruct")

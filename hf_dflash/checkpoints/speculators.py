@@ -1,32 +1,34 @@
-"""DFlash layouts other than ours and the official one: what can be translated, and named errors.
+"""vLLM speculators' DFlash layout ("speculators", load only): what can be translated, and named errors.
 
-* vLLM speculators (`speculators_model_type: "dflash"`): the decoder nested in
-  `transformer_layer_config`; `aux_hidden_state_layer_ids` index the target's `hidden_states` tuple
-  (as vLLM's `eagle_aux_hidden_state_layer_ids`: id a = output of decoder layer a - 1), so our
-  `target_layer_ids` are those ids minus one; `mask_token_id`, `block_size`, `draft_vocab_size` and
-  `sliding_window_non_causal` top-level. The weights carry the drafter keys plus copies of the
-  verifier's embedding / LM head and the vocabulary maps `t2d`/`d2t`, which this drafter borrows from
-  the target instead. The checkpoint does not record how many layers the verifier has.
-  Loadable: full-vocabulary DFlash with the plain projector and same-position labels. Refused, each
-  by name: Domino projectors, `sample_from_anchor`, `shift_label`, reduced draft vocabularies,
-  DFlash2 / DSpark / EAGLE and other algorithms.
-* DFlash2 (z-lab's `DFlash2DraftModel`; speculators' `dflash2`): dynamic convolutions around each
-  layer and a candidate selector over the LM head: a different model, refused by name (see
-  `configuration_dflash.dflash_kwargs_from_official` for the official-layout variant).
-* A drafter object built by someone else's code (z-lab's `DFlashDraftModel`, a plain `Qwen3Model`
-  loaded from an official folder without remote code, ...): `looks_like_dflash_drafter` tells it
-  apart from an ordinary assistant model, so `generate` can refuse it instead of running plain
-  assisted decoding with a block-diffusion model.
+`speculators_model_type: "dflash"`: the decoder nested in `transformer_layer_config`;
+`aux_hidden_state_layer_ids` index the target's `hidden_states` tuple (as vLLM's
+`eagle_aux_hidden_state_layer_ids`: id a = output of decoder layer a - 1), so our `target_layer_ids`
+are those ids minus one; `mask_token_id`, `block_size`, `draft_vocab_size` and
+`sliding_window_non_causal` top-level. The weights carry the drafter keys plus copies of the
+verifier's embedding / LM head and the vocabulary maps `t2d`/`d2t`, which this drafter borrows from
+the target instead. The checkpoint does not record how many layers the verifier has.
+
+Loadable: full-vocabulary DFlash with the plain projector and same-position labels. Refused, each by
+name: Domino projectors, `sample_from_anchor`, `shift_label`, reduced draft vocabularies, DFlash2 /
+DSpark / EAGLE and other algorithms.
 """
 
 from __future__ import annotations
 
-from .modeling_dflash.configuration_dflash import (
+import os
+from pathlib import Path
+
+import torch
+
+from ..modeling_dflash import DFlashDraftModel
+from ..modeling_dflash.configuration_dflash import (
     CHECKPOINT_REQUIRED_FIELDS,
     OFFICIAL_DECODER_FIELDS,
     SILENT_FALLBACK,
     rope_parameters_from_config,
 )
+from .building import build_drafter
+from .files import CONFIG_NAME, load_state_dict, read_config
 
 SPECULATORS_TYPE_FIELD = "speculators_model_type"
 # Weights a speculators checkpoint may carry that belong to the verifier (the target lends them here).
@@ -117,26 +119,37 @@ def dflash_kwargs_from_speculators(config: dict, source: str, num_target_layers:
     return kwargs
 
 
-def looks_like_dflash_drafter(model) -> bool:
-    """Whether `model` (any `nn.Module` given as `assistant_model`) is a DFlash drafter built by other
-    code: a DFlash class name, a DFlash config (`dflash_config`, speculators' DFlash, `model_type`
-    "dflash"), or the drafter's own weights (`fc.weight` and `hidden_norm.weight` at the top level)."""
-    config = getattr(model, "config", None)
-    if "dflash" in type(model).__name__.lower():
-        return True
-    if config is not None and (
-        getattr(config, "dflash_config", None) is not None
-        or getattr(config, SPECULATORS_TYPE_FIELD, None) is not None
-        or getattr(config, "model_type", None) == "dflash"
-    ):
-        return True
-    names = {name for name, _ in model.named_parameters()}
-    return {"fc.weight", "hidden_norm.weight"} <= names
+def without_verifier_copies(state_dict: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """A speculators state dict without the verifier's embedding / LM head / norm copies and the
+    (identity, full-vocabulary) token maps: the target lends those at generation time."""
+    t2d = state_dict.get("t2d")
+    if t2d is not None and not bool(t2d.bool().all()):
+        raise ValueError(f"{source}: t2d maps only part of the vocabulary (a reduced draft vocabulary).")
+    return {key: value for key, value in state_dict.items() if key not in SPECULATORS_VERIFIER_COPIES}
+
+
+def load_speculators(
+    path: str | os.PathLike,
+    num_target_layers: int | None = None,
+    dtype: str | torch.dtype | None = "auto",
+    device: str | torch.device | None = None,
+    attn_implementation: str | None = None,
+) -> DFlashDraftModel:
+    """Load a vLLM speculators DFlash checkpoint folder (`speculators_model_type: "dflash"`) as a
+    `DFlashDraftModel`. `num_target_layers` is the target's `config.num_hidden_layers` (speculators
+    does not record it). What cannot be served raises a ValueError naming it (module docstring)."""
+    folder = Path(path)
+    source = str(folder / CONFIG_NAME)
+    kwargs = dflash_kwargs_from_speculators(read_config(folder), source, num_target_layers)
+    state_dict = without_verifier_copies(load_state_dict(folder), source)
+    return build_drafter(kwargs, state_dict, str(folder), dtype, device, attn_implementation)
 
 
 __all__ = [
+    "SPECULATORS_TYPE_FIELD",
     "SPECULATORS_VERIFIER_COPIES",
     "dflash_kwargs_from_speculators",
     "is_speculators_config",
-    "looks_like_dflash_drafter",
+    "load_speculators",
+    "without_verifier_copies",
 ]

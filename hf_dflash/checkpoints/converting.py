@@ -1,0 +1,68 @@
+"""Converting a drafter checkpoint from any loadable format to "official" or "hub" (`hf-dflash convert`)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .hub import save_hub
+from .loading import load_drafter
+from .official import save_official
+
+FORMATS = ("official", "hub")  # the formats written (speculators is load-only)
+
+
+def check_destination(src: str | os.PathLike, dst: Path, overwrite: bool) -> None:
+    """Refuse to write over another checkpoint (its stale files would stay beside ours) unless
+    `overwrite`, and never replace a folder that holds the source."""
+    source = Path(src).resolve() if Path(src).exists() else None
+    if source is not None and dst.exists() and (source == dst.resolve() or dst.resolve() in source.parents):
+        raise ValueError(f"The destination {dst} is or holds the source {src}; write the conversion elsewhere.")
+    if dst.is_file():
+        raise ValueError(f"The destination {dst} is a file; give a new or empty folder.")
+    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
+        held = sorted(p.name for p in dst.iterdir())
+        raise ValueError(
+            f"The destination {dst} is not empty (it holds {held[:6]}{' ...' if len(held) > 6 else ''}); give a new or "
+            "empty folder, or pass --overwrite (overwrite=True) to replace the whole folder."
+        )
+
+
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    to: str,
+    dtype: str | torch.dtype | None = None,
+    overwrite: bool = False,
+    num_target_layers: int | None = None,
+) -> Path:
+    """Convert a drafter checkpoint (any loadable format) to `to` = "official" or "hub" in `dst`.
+
+    `dst` must be new or empty unless `overwrite`, which replaces the whole folder (the conversion is
+    written beside it first, so a failure leaves the old folder as it was). `dtype` casts the written
+    weights (default: keep). `num_target_layers`: the target's depth, for speculators sources. Returns `dst`.
+    """
+    if to not in FORMATS:
+        raise ValueError(f"to={to!r} is not a checkpoint format; use one of {FORMATS}.")
+    destination = Path(dst)
+    check_destination(src, destination, overwrite)
+    model = load_drafter(src, num_target_layers=num_target_layers)
+    save = save_official if to == "official" else save_hub
+    if not (destination.is_dir() and any(destination.iterdir())):
+        return save(model, destination, dtype=dtype)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
+    try:
+        save(model, staging / "new", dtype=dtype)
+        os.replace(destination, staging / "old")
+        os.replace(staging / "new", destination)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return destination
+
+
+__all__ = ["FORMATS", "check_destination", "convert"]

@@ -1,0 +1,38 @@
+"""The packed training forward: every block of a batch through the drafter at once (SPEC §4).
+
+Used by the trainer's loss and by the served-τ estimate (`consistency.py`), so both read the same
+drafter outputs.
+"""
+
+import torch
+
+from ..modeling_dflash import DFlashConfig
+from .maths import build_training_block_mask, build_training_mask, training_position_ids
+
+
+def dflash_training_forward(
+    drafter: torch.nn.Module,
+    embedding: torch.nn.Module,
+    batch: dict,
+    target_hidden_states: torch.Tensor,
+    config: DFlashConfig,
+) -> torch.Tensor:
+    """Packed multi-block forward: (B, A*bs, H) drafter outputs for every block of the batch at once.
+
+    `drafter` may be wrapped (DDP, PEFT); `config` is its `DFlashConfig` (block size, attention
+    implementation: flex attention gets a `BlockMask`, SDPA/eager a dense mask). target_hidden_states (B, S, n*Ht) are the features of the
+    clean sequence; each block sees those strictly before its anchor and its own block
+    (see `build_training_mask`).
+    """
+    seq_len = batch["input_ids"].shape[1]
+    build = build_training_block_mask if config._attn_implementation == "flex_attention" else build_training_mask
+    mask = build(batch["anchor_positions"], batch["anchor_valid"], seq_len, config.block_size)
+    return drafter(
+        noise_embeds=embedding(batch["block_ids"]),
+        context_hidden_states=target_hidden_states,
+        position_ids=training_position_ids(batch["block_positions"], seq_len),
+        attention_mask=mask,
+    ).last_hidden_state
+
+
+__all__ = ["dflash_training_forward"]
