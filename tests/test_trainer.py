@@ -102,6 +102,33 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
         torch.testing.assert_close(accumulated[key], big[key], rtol=1e-4, atol=1e-6)
 
 
+def test_dpace_loss_is_the_dpace_weighted_cross_entropy(tmp_path):
+    """position_weighting='dpace': loss = Σ w·CE / Σ w with w the D-PACE weights of the drafter's own
+    confidence on the batch (recomputed here from the packed forward), and a step trains the drafter."""
+    from hf_dflash.trainer.maths import dpace_weights
+
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=BLOCK)
+    args = arguments(tmp_path, max_steps=1, position_weighting="dpace", dpace_alpha=0.3)
+    trainer = DFlashTrainer(drafter, args, target=target, train_dataset=samples(count=4))
+    batch = trainer.data_collator(samples(count=2))
+    with torch.no_grad():
+        loss = trainer.compute_loss(drafter, batch)
+        features = compute_target_features(target, batch["input_ids"], [1, 3], batch["attention_mask"])
+        hidden = dflash_training_forward(drafter, target.get_input_embeddings(), batch, features, drafter.config)
+        ce = torch.nn.functional.cross_entropy(
+            target.lm_head(hidden).flatten(0, 1), batch["labels"].flatten(), reduction="none"
+        ).view(batch["labels"].shape)
+    supervised = batch["loss_weights"] > 0
+    blocks = lambda t: t.reshape(-1, BLOCK)[:, 1:]  # noqa: E731
+    weights = dpace_weights(torch.exp(-blocks(ce)), blocks(supervised), alpha=0.3)
+    expected = (blocks(ce) * weights).sum() / weights.sum()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    before = copy.deepcopy(drafter.state_dict())
+    trainer.train()
+    assert any(not torch.equal(value, drafter.state_dict()[key]) for key, value in before.items())
+
+
 def test_tiny_end_to_end_training_lowers_loss_and_saves_a_loadable_drafter(tmp_path):
     target = make_target("llama")
     drafter = make_drafter(target, block_size=BLOCK)
@@ -155,6 +182,12 @@ def test_resume_after_crash_continues_from_last_checkpoint(tmp_path):
 def test_arguments_validate():
     with pytest.raises(ValueError, match="feature_mode"):
         DFlashTrainingArguments(output_dir="x", feature_mode="cached", report_to=[])
+    with pytest.raises(ValueError, match="position_weighting"):
+        DFlashTrainingArguments(output_dir="x", position_weighting="linear", report_to=[])
+    with pytest.raises(ValueError, match="dpace"):
+        DFlashTrainingArguments(output_dir="x", position_weighting="dpace", loss_type="kl", report_to=[])
+    with pytest.raises(ValueError, match="dpace_alpha"):
+        DFlashTrainingArguments(output_dir="x", position_weighting="dpace", dpace_alpha=0, report_to=[])
     assert DFlashTrainingArguments(output_dir="x", block_size=10, report_to=[]).loss_decay_gamma == 5.0
 
 

@@ -8,6 +8,7 @@ from ..modeling_dflash import DFlashConfig
 from .maths import default_decay_gamma
 
 LOSS_TYPES = ("ce", "kl")
+POSITION_WEIGHTINGS = ("decay", "dpace")
 FEATURE_MODES = ("online", "offline")
 
 
@@ -34,6 +35,17 @@ class DFlashTrainingArguments(TrainingArguments):
             "help": "'ce': cross-entropy on the target's own (greedy) tokens; 'kl': distil the target's "
             "distribution at each label position, KL(p_target || q_draft) (online features only)."
         },
+    )
+    position_weighting: str = field(
+        default="decay",
+        metadata={
+            "help": "'decay': slot k weighted exp(-(k-1)/gamma) (the paper); 'dpace': D-PACE (arXiv 2605.18810), "
+            "each slot weighted by its share of the expected accepted length under the drafter's current "
+            "confidence (cross-entropy only; the loss is normalised per micro-batch)."
+        },
+    )
+    dpace_alpha: float = field(
+        default=0.5, metadata={"help": "D-PACE confidence smoothing q~ = (1 - alpha) q + alpha, in (0, 1]."}
     )
     feature_mode: str = field(
         default="online",
@@ -72,6 +84,14 @@ class DFlashTrainingArguments(TrainingArguments):
             raise ValueError(f"feature_mode must be one of {FEATURE_MODES}, got {self.feature_mode!r}.")
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}.")
+        if self.position_weighting not in POSITION_WEIGHTINGS:
+            raise ValueError(
+                f"position_weighting must be one of {POSITION_WEIGHTINGS}, got {self.position_weighting!r}."
+            )
+        if self.position_weighting == "dpace" and self.loss_type != "ce":
+            raise ValueError(f"position_weighting='dpace' weights the cross-entropy; got loss_type={self.loss_type!r}.")
+        if not 0 < self.dpace_alpha <= 1:
+            raise ValueError(f"dpace_alpha must be in (0, 1], got {self.dpace_alpha!r}.")
         if self.loss_type == "kl" and self.feature_mode != "online":
             raise ValueError("loss_type='kl' needs the target's logits in each step: use feature_mode='online'.")
         if self.remove_unused_columns:

@@ -147,23 +147,22 @@ def target_to_draft_index(t2d: torch.BoolTensor) -> torch.LongTensor:
     return index.masked_fill(~t2d, -1)
 
 
-def weighted_cross_entropy_sum(
+def position_cross_entropy(
     hidden_states: torch.Tensor,
     lm_head: torch.nn.Module,
     labels: torch.LongTensor,
-    weights: torch.Tensor,
+    selected: torch.BoolTensor,
     draft_head: tuple[torch.Tensor, torch.LongTensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Σ w * CE over the positions with w > 0, computing the LM head only there.
+) -> tuple[torch.Tensor, torch.BoolTensor, torch.BoolTensor]:
+    """Cross-entropy at the N `selected` positions, computing the LM head only there.
 
-    hidden_states (B, T, H) (after the drafter's final norm), labels / weights (B, T).
-    draft_head: for a pruned draft vocabulary, (weight (N, H): the LM-head rows of the N draft ids,
-        target_to_draft (V,): see `target_to_draft_index`); the softmax then runs over the N ids, and a
-        label outside them adds nothing to the loss (its weight still counts in the normaliser) and is
-        never correct.
-    Returns (loss_sum scalar, correct (B, T) bool: argmax == label, False where w == 0).
+    hidden_states (B, T, H) (after the drafter's final norm), labels / selected (B, T).
+    draft_head: for a pruned draft vocabulary, (weight (N', H): the LM-head rows of the N' draft ids,
+        target_to_draft (V,): see `target_to_draft_index`); the softmax then runs over the N' ids, and a
+        label outside them has loss 0 (it cannot be learnt) and is never correct.
+    Returns (losses (N,), inside (N,) bool: the label can be drafted, correct (B, T) bool: argmax == label,
+    False where not selected).
     """
-    selected = weights > 0
     chosen = labels[selected]
     if draft_head is None:
         logits = lm_head(hidden_states[selected].to(lm_head.weight.dtype)).float()  # (N, V); the head may be bf16
@@ -175,10 +174,24 @@ def weighted_cross_entropy_sum(
         inside = chosen >= 0
         chosen = chosen.clamp_min(0)
     losses = F.cross_entropy(logits, chosen, reduction="none") * inside
-    loss_sum = (losses * weights[selected]).sum()
     correct = torch.zeros_like(selected)
     correct[selected] = (logits.argmax(-1) == chosen) & inside
-    return loss_sum, correct
+    return losses, inside, correct
+
+
+def weighted_cross_entropy_sum(
+    hidden_states: torch.Tensor,
+    lm_head: torch.nn.Module,
+    labels: torch.LongTensor,
+    weights: torch.Tensor,
+    draft_head: tuple[torch.Tensor, torch.LongTensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ w * CE over the positions with w > 0 (`position_cross_entropy`; a label outside a pruned draft
+    vocabulary adds nothing, its weight still counts in the normaliser). weights (B, T).
+    Returns (loss_sum scalar, correct (B, T) bool)."""
+    selected = weights > 0
+    losses, _, correct = position_cross_entropy(hidden_states, lm_head, labels, selected, draft_head)
+    return (losses * weights[selected]).sum(), correct
 
 
 def weighted_kl_sum(
@@ -241,3 +254,20 @@ def dpace_weights(confidence: torch.Tensor, valid: torch.BoolTensor, alpha: floa
     reach = smoothed.cumprod(-1)  # (N, L) prod_{i <= m} q~_i
     suffix = reach.flip(-1).cumsum(-1).flip(-1)  # sum_{m >= j}
     return (suffix * valid).to(confidence.dtype)
+
+
+def dpace_block_weights(
+    losses: torch.Tensor, inside: torch.BoolTensor, selected: torch.BoolTensor, block_size: int, alpha: float
+) -> torch.Tensor:
+    """(B, T) D-PACE weights of a packed batch (blocks anchor-major, slot 0 = the anchor, weight 0).
+
+    losses, inside (N,): `position_cross_entropy` at the N `selected` (B, T) positions. A label outside a
+    pruned draft vocabulary has confidence 0: the drafter cannot propose it, so nothing after it counts.
+    """
+    confidence = torch.zeros(selected.shape, dtype=torch.float32, device=losses.device)
+    confidence[selected] = torch.exp(-losses.detach().float()) * inside
+    blocks = confidence.reshape(-1, block_size)[:, 1:]
+    valid = selected.reshape(-1, block_size)[:, 1:]
+    weights = torch.zeros_like(confidence).reshape(-1, block_size)
+    weights[:, 1:] = dpace_weights(blocks, valid, alpha)
+    return weights.reshape(selected.shape)

@@ -15,7 +15,14 @@ from .arguments import DFlashTrainingArguments
 from .collator import DFlashDataCollator
 from .consistency import served_tau_estimate
 from .forward import dflash_training_forward
-from .maths import acceptance_estimate, target_to_draft_index, weighted_cross_entropy_sum, weighted_kl_sum
+from .maths import (
+    acceptance_estimate,
+    dpace_block_weights,
+    position_cross_entropy,
+    target_to_draft_index,
+    weighted_cross_entropy_sum,
+    weighted_kl_sum,
+)
 
 
 def check_training_pairing(target: PreTrainedModel, drafter: DFlashDraftModel) -> None:
@@ -116,10 +123,19 @@ class DFlashTrainer(Trainer):
         hidden = dflash_training_forward(model, self.target.get_input_embeddings(), inputs, features, drafter.config)
         lm_head = self.target.get_output_embeddings()
         draft_head = None
+        supervised = weights > 0
         if drafter.config.draft_vocab_size is not None:
             draft_head = (drafter.draft_head_weight(lm_head), target_to_draft_index(drafter.t2d))
-            supervised = weights > 0
             self._count("draft_vocab_miss", (supervised & ~drafter.t2d[inputs["labels"]]).sum(), supervised.sum())
+        if self.args.position_weighting == "dpace":
+            # The weights follow this micro-batch's own confidence: normalised here, averaged over accumulation
+            # steps and (by DDP) over processes.
+            losses, inside, correct = position_cross_entropy(hidden, lm_head, inputs["labels"], supervised, draft_head)
+            dpace = dpace_block_weights(losses, inside, supervised, drafter.config.block_size, self.args.dpace_alpha)
+            loss = (losses * dpace[supervised]).sum() / dpace.sum().clamp_min(1e-6)
+            loss = loss / self.args.gradient_accumulation_steps
+            self._accumulate_metrics(correct, supervised, drafter.config.block_size)
+            return (loss, hidden) if return_outputs else loss
         loss_sum, correct = weighted_cross_entropy_sum(hidden, lm_head, inputs["labels"], weights, draft_head)
         if teacher_logits is not None:  # distillation: the KL replaces the cross-entropy (correct stays hard)
             loss_sum = weighted_kl_sum(hidden, lm_head, teacher_logits, weights, draft_head)
@@ -127,7 +143,7 @@ class DFlashTrainer(Trainer):
         loss = loss_sum / normaliser.clamp_min(1e-6)
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
             loss = loss * self.accelerator.num_processes  # DDP averages gradients over processes
-        self._accumulate_metrics(correct, weights > 0, drafter.config.block_size)
+        self._accumulate_metrics(correct, supervised, drafter.config.block_size)
         return (loss, hidden) if return_outputs else loss
 
     def create_model_card(self, model_name: str | None = None, license: str = "apache-2.0", **kwargs) -> None:
