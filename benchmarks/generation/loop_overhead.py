@@ -17,13 +17,13 @@ Plain greedy `target.generate` runs on the same prompt, interleaved with the DFl
     python benchmarks/generation/loop_overhead.py --profile out/loop_overhead.prof   # + cProfile of one DFlash run
     python benchmarks/generation/loop_overhead.py --force-tau 4   # drafts forced to the target's greedy text (tau = 4)
 
-`--breakdown` wraps, in this process only, the helpers the loop calls (module globals of
-hf_dflash.generation.decoding / candidate_generator, the target's generate helpers, cache crops)
-with timers; "inline" is what is left: lines of dflash_decoding/get_candidates that call no helper.
+`--breakdown` wraps, in this process only, each step of the loop (the methods of
+hf_dflash.generation.decoding.DecodingLoop) and the helpers they call with timers; "the loop between
+steps" is what is left of the overhead.
 
 `--force-tau N` shows how the overhead scales with the acceptance length: the drafter and its LM head
-still run, then (in this process only) the draft logits are replaced by one-hot logits whose first
-N-1 drafts are the target's own greedy continuation and the rest wrong. The continuation is taken
+still run, then (in this process only) the drafts are replaced: the first N-1 are the target's own
+greedy continuation and the rest wrong. The continuation is taken
 from a DFlash run with the same forcing, repeated until it reproduces itself (in bf16 a 16-token
 verification may round a near-tie differently from plain decoding).
 """
@@ -47,8 +47,9 @@ import torch
 
 import hf_dflash
 from hf_dflash.dtypes import describe_dtype
-from hf_dflash.generation import candidate_generator as dflash_candidates
-from hf_dflash.generation import decoding as dflash_decoding_module
+from hf_dflash.generation import decoding as decoding_module
+from hf_dflash.generation.decoding import DecodingLoop
+from hf_dflash.generation.drafting import BlockDrafter
 from hf_dflash.models import load_target
 
 DEFAULT_PROMPT = (
@@ -139,43 +140,27 @@ class GlueTimers:
         self._patches = []
 
 
+LOOP_STEPS = ("draft", "verify", "accept", "commit", "record_outputs", "rollback", "prune")
+
+
 def instrument_glue(target) -> GlueTimers:
-    """Timers on every helper one DFlash round calls outside the drafter and target forwards."""
-    from transformers.cache_utils import DFlashCache, DynamicCache
+    """Timers on each step of the loop (`DecodingLoop` methods) and on the helpers the steps call."""
+    from transformers.cache_utils import DynamicCache
 
     glue = GlueTimers()
-    decoding = dflash_decoding_module
-    for name in (
-        "_prepare_attention_mask",
-        "_prepare_token_type_ids",
-        "_prepare_position_ids",
-        "process_block_logits",
-        "greedy_accept",
-        "count_until_stop",
-    ):
-        glue.wrap(decoding, name, f"decoding.{name}")
-    glue.wrap(decoding.copy, "copy", "decoding: copy.copy(model_kwargs)")
-    for name in ("target_layer_features", "process_draft_logits"):
-        glue.wrap(dflash_candidates, name, f"candidate_generator.{name}")
-    generator_class = dflash_candidates.DFlashCandidateGenerator
-    glue.wrap(generator_class, "get_candidates", "get_candidates (total)")
-    glue.wrap(generator_class, "update_candidate_strategy", "generator.update_candidate_strategy")
-    glue.wrap(target, "prepare_inputs_for_generation", "target.prepare_inputs_for_generation")
-    glue.wrap(target, "_update_model_kwargs_for_generation", "target._update_model_kwargs_for_generation")
-    glue.wrap(DFlashCache, "set_previous_accepted_tokens", "DFlashCache.set_previous_accepted_tokens")
-    glue.wrap(
-        DynamicCache,
-        "crop",
-        "",
-        classify=lambda args: (
-            "DFlashCache.crop (drafter)" if isinstance(args[0], DFlashCache) else "DynamicCache.crop (target)"
-        ),
-    )
+    for step in LOOP_STEPS:
+        glue.wrap(DecodingLoop, step, f"step {step}")
+    for name in ("process_rows", "accepted_lengths", "count_until_stop", "target_layer_features", "row_copies"):
+        glue.wrap(decoding_module, name, f"  decoding.{name}")
+    glue.wrap(target, "prepare_inputs_for_generation", "  target.prepare_inputs_for_generation")
+    glue.wrap(DynamicCache, "crop", "  DynamicCache.crop (target and drafter)")
     return glue
 
 
 def glue_breakdown(target, drafter, inputs, max_new_tokens: int, timers: dict[str, ForwardTimer]) -> dict:
-    """One instrumented DFlash run: ms per verification round spent in each helper."""
+    """One instrumented DFlash run: ms per verification round spent in each step of the loop and helper.
+    The draft step's own lines exclude the drafter forward and the draft LM head/embedding; the verify
+    step's exclude the target forward."""
     glue = instrument_glue(target)
     try:
         run, _ = run_dflash(target, drafter, inputs, max_new_tokens, timers)
@@ -183,32 +168,19 @@ def glue_breakdown(target, drafter, inputs, max_new_tokens: int, timers: dict[st
         glue.restore()
     rounds = max(run.rounds, 1)
     per_round = {label: 1e3 * seconds / rounds for label, seconds in glue.seconds.items()}
-    # Prefill: the first get_candidates returns at once; everything else scales with rounds.
-    drafter_ms, head_ms = mean(run.drafter_ms), mean(run.draft_head_ms)
-    overhead = mean(run.round_ms) - drafter_ms - mean(run.target_ms)
-    candidates_inline = (
-        per_round.get("get_candidates (total)", 0.0)
-        - drafter_ms
-        - head_ms
-        - sum(
-            per_round.get(k, 0.0)
-            for k in (
-                "candidate_generator.target_layer_features",
-                "candidate_generator.process_draft_logits",
-                "DFlashCache.crop (drafter)",
-                "DFlashCache.set_previous_accepted_tokens",
-            )
-        )
-    )
-    helpers = {k: v for k, v in per_round.items() if k != "get_candidates (total)"}
-    named = sum(helpers.values()) + head_ms + candidates_inline
+    drafter_ms, head_ms, target_ms = mean(run.drafter_ms), mean(run.draft_head_ms), mean(run.target_ms)
+    overhead = mean(run.round_ms) - drafter_ms - target_ms
+    steps = {step: per_round.get(f"step {step}", 0.0) for step in LOOP_STEPS}
+    own = dict(steps)
+    own["draft"] -= drafter_ms + head_ms
+    own["verify"] -= target_ms + 1e3 * run.prefill_s / rounds  # the prefill is the first verify step
     return {
         "rounds": run.rounds,
         "overhead_ms": overhead,
         "draft_lm_head_embed_ms": head_ms,
-        "helpers_ms": dict(sorted(helpers.items(), key=lambda item: -item[1])),
-        "get_candidates_inline_ms": candidates_inline,
-        "dflash_decoding_inline_ms": overhead - named,
+        "step_glue_ms": own,
+        "helpers_ms": {k.strip(): v for k, v in per_round.items() if not k.startswith("step ")},
+        "loop_inline_ms": overhead - head_ms - sum(own.values()),
         "calls": dict(glue.calls),
     }
 
@@ -216,14 +188,16 @@ def glue_breakdown(target, drafter, inputs, max_new_tokens: int, timers: dict[st
 def print_breakdown(breakdown: dict) -> None:
     print(f"\nglue breakdown, ms per round ({breakdown['rounds']} rounds; overhead {breakdown['overhead_ms']:.2f} ms):")
     print(f"  {'draft LM head + embedding (kernels)':52s}{breakdown['draft_lm_head_embed_ms']:8.3f}")
-    for label, ms in breakdown["helpers_ms"].items():
-        print(f"  {label:52s}{ms:8.3f}")
-    print(f"  {'get_candidates inline lines':52s}{breakdown['get_candidates_inline_ms']:8.3f}")
-    print(f"  {'dflash_decoding inline lines (rest)':52s}{breakdown['dflash_decoding_inline_ms']:8.3f}")
+    for step, ms in breakdown["step_glue_ms"].items():
+        print(f"  {'step ' + step + ' (without the forwards)':52s}{ms:8.3f}")
+    for label, ms in sorted(breakdown["helpers_ms"].items(), key=lambda item: -item[1]):
+        print(f"    {label:50s}{ms:8.3f}")
+    print(f"  {'the loop between steps':52s}{breakdown['loop_inline_ms']:8.3f}")
 
 
 class ForcedDrafts:
-    """Replaces `candidate_generator.process_draft_logits` so drafts follow `reference` for tau - 1 slots."""
+    """Wraps `BlockDrafter.draft` so the drafts follow `reference` for tau - 1 slots, then go wrong (the
+    drafter, its LM head and the argmax still run: the real cost)."""
 
     def __init__(self, tau: int):
         self.tau = tau
@@ -231,24 +205,28 @@ class ForcedDrafts:
         self._original = None
 
     def install(self) -> None:
-        self._original = dflash_candidates.process_draft_logits
-        dflash_candidates.process_draft_logits = self._forced
+        self._original = BlockDrafter.draft
+        forced = self
+
+        def draft(block, hidden, do_sample, logits_processor=None, batch_size=1, rows=None, prefixes=None):
+            drafts = forced._original(block, hidden, do_sample, logits_processor, batch_size, rows, prefixes)
+            return forced.force(drafts, len(prefixes[0]), block.lm_head.weight.shape[0])
+
+        BlockDrafter.draft = draft
 
     def restore(self) -> None:
         if self._original is not None:
-            dflash_candidates.process_draft_logits = self._original
+            BlockDrafter.draft = self._original
             self._original = None
 
-    def _forced(self, logits_processor, sequence: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        processed = self._original(logits_processor, sequence, logits)  # keep the real cost
-        start, drafts, vocab = sequence.shape[1], processed.shape[1], processed.shape[2]
-        tokens = torch.zeros(drafts, dtype=torch.long)
-        known = self.reference[start : start + drafts]
+    def force(self, drafts, start: int, vocab: int):
+        count = drafts.tokens.shape[1]
+        tokens = torch.zeros(count, dtype=torch.long)
+        known = self.reference[start : start + count]
         tokens[: len(known)] = known
         tokens[self.tau - 1 :] = (tokens[self.tau - 1 :] + 1) % vocab  # deliberately wrong after tau - 1
-        processed.zero_()
-        processed[0, torch.arange(drafts), tokens] = 1.0
-        return processed
+        drafts.tokens = tokens[None].to(drafts.tokens.device)
+        return drafts
 
 
 def converge_reference(forced: ForcedDrafts, target, drafter, inputs, max_new_tokens: int, start: torch.Tensor) -> int:
