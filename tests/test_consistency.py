@@ -45,3 +45,22 @@ def test_random_drafter_estimates_tau_one():
     sample = {"input_ids": list(range(3, 40)), "loss_mask": [0] * 5 + [1] * 32}
     estimate = served_tau_estimate(drafter, target, [sample])
     assert 1 <= estimate.served_tau < 1.5 and len(estimate.per_sample) == 1
+
+
+def test_tree_estimate_of_a_top1_tree_is_the_chain_estimate_and_grows_with_the_budget():
+    """A tree of the top-1 token per slot and block_size nodes IS the chain; bigger trees never accept less."""
+    from hf_dflash.trainer.consistency import served_tree_tau_estimates
+
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=4)
+    samples = [
+        {"input_ids": list(range(3, 45)), "loss_mask": [0] * 6 + [1] * 36},
+        {"input_ids": [7, 9] * 15, "loss_mask": [0] * 4 + [1] * 26},
+    ]
+    chain = served_tau_estimate(drafter, target, samples, anchors_per_forward=9)
+    top1 = served_tree_tau_estimates(drafter, target, samples, budgets=[4], top_k=1)[4]
+    assert top1.rounds == chain.rounds and top1.uniform_tau == chain.uniform_tau
+    trees = served_tree_tau_estimates(drafter, target, samples, budgets=[1, 4, 16, 64], top_k=8)
+    assert trees[1].served_tau == 1.0  # the root alone drafts nothing
+    uniform = [trees[n].uniform_tau for n in (1, 4, 16, 64)]
+    assert uniform == sorted(uniform) and uniform[-1] > uniform[0]

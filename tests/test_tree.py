@@ -221,3 +221,56 @@ def test_tree_forward_matches_each_branch_verified_alone(arch, attn):
     continued = target(following, use_cache=True, **{name: cache}).logits
     expected = target(torch.cat([context[:, :-1], tree.tokens[keep][None], following], 1)).logits[:, -2:]
     torch.testing.assert_close(continued, expected, rtol=1e-4, atol=1e-5)
+
+
+# --- the drafter's own tree: best-first over the block's per-slot distributions ---
+
+
+def all_continuations(token_ids, log_probs):
+    """Brute force: every continuation of length 1..L over the K tokens per slot, with its log-probability."""
+    import itertools
+
+    length, width = token_ids.shape
+    out = []
+    for depth in range(1, length + 1):
+        for ranks in itertools.product(range(width), repeat=depth):
+            tokens_ = tuple(int(token_ids[d, r]) for d, r in enumerate(ranks))
+            out.append((float(sum(log_probs[d, r] for d, r in enumerate(ranks))), tokens_))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("max_nodes", [1, 2, 5, 12, 40])
+def test_best_first_tree_holds_the_most_probable_continuations(seed, max_nodes):
+    from hf_dflash.generation.tree import best_first_tree
+
+    generator = torch.Generator().manual_seed(seed)
+    length, width = 3, 3
+    log_probs = torch.randn(length, width, generator=generator, dtype=torch.float64).sort(-1, descending=True).values
+    log_probs = log_probs - log_probs.exp().sum(-1, keepdim=True).log()  # valid log-probabilities (< 0)
+    token_ids = torch.randperm(VOCAB, generator=generator)[: length * width].view(length, width)
+    tree, reach = best_first_tree(7, token_ids, log_probs, max_nodes)
+    assert tree.tokens[0] == 7 and tree.parents[0] == -1
+    continuations = sorted(all_continuations(token_ids, log_probs), reverse=True)
+    expected = {tokens_ for _, tokens_ in continuations[: max_nodes - 1]}
+    got = set()
+    for node in range(1, tree.num_nodes):  # each node's continuation: the tokens on its path
+        path, walk = [], node
+        while walk > 0:
+            path.append(int(tree.tokens[walk]))
+            walk = tree.parents[walk]
+        got.add(tuple(path[::-1]))
+        assert reach[node] <= reach[tree.parents[node]]  # never likelier than its prefix
+    assert got == expected and tree.num_nodes == min(max_nodes, 1 + len(continuations))
+    assert (reach[1:].diff() <= 1e-12).all()  # best-first: nodes in decreasing probability
+
+
+def test_accepted_path_follows_the_continuation_as_far_as_the_tree_holds_it():
+    from hf_dflash.generation.tree import accepted_path
+
+    tree = merge_branches(9, [tokens(5, 6, 7), tokens(5, 8), tokens(4)])  # 9 -> 5 -> {6 -> 7, 8}; 9 -> 4
+    assert accepted_path(tree, [5, 6, 7, 3]) == [0, 1, 2, 3]
+    assert accepted_path(tree, [5, 8, 1]) == [0, 1, 4]
+    assert accepted_path(tree, [4]) == [0, 5]
+    assert accepted_path(tree, [2, 5]) == [0]
+    assert accepted_path(tree, []) == [0]

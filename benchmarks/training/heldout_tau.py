@@ -8,6 +8,10 @@ does not move when more data is packed; without it, the last `--samples` chats).
 
     python benchmarks/training/heldout_tau.py models/smollm2-135m-instruct-dflash out/run/drafters/L3-bf16 \\
         --data data/smollm2-135m-instruct --eval-part regen-bf16-part2 --samples 64
+
+With `--tree-budgets 8,16,32,64` it also scores draft trees (`served_tree_tau_estimates`): the τ greedy
+verification of the drafter's best-first tree of N nodes would serve, beside the chain's, before any
+timing decides whether a bigger tree pays.
 """
 
 import argparse
@@ -20,7 +24,7 @@ import torch
 from hf_dflash.checkpoints import load_drafter
 from hf_dflash.data.packed import PackedDataset
 from hf_dflash.models import load_target
-from hf_dflash.trainer.consistency import served_tau_estimate
+from hf_dflash.trainer.consistency import served_tau_estimate, served_tree_tau_estimates
 from hf_dflash.trainer.train import held_out_indices
 
 
@@ -33,8 +37,15 @@ def main() -> None:
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="auto", help="target and drafter dtype (default: auto)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--tree-budgets", default="", help="comma-separated tree sizes N (nodes, root included)")
+    parser.add_argument("--top-k", type=int, default=16, help="candidates per draft slot in a tree")
     parser.add_argument("--out", default="out/heldout_tau.json")
     args = parser.parse_args()
+    budgets = [int(n) for n in args.tree_budgets.split(",") if n]
+    if any(n < 1 for n in budgets) or args.top_k < 1:
+        parser.error(
+            f"--tree-budgets must be positive node counts and --top-k >= 1, got {args.tree_budgets!r}, {args.top_k}."
+        )
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
@@ -56,6 +67,19 @@ def main() -> None:
             }
         )
         print(f"{path}: served-walk τ {estimate.served_tau:.3f}, all-anchor τ {estimate.uniform_tau:.3f}", flush=True)
+        if budgets:
+            start = time.perf_counter()
+            trees = served_tree_tau_estimates(drafter, target, held_out, budgets, top_k=args.top_k)
+            rows[-1]["trees"] = {
+                str(n): {"served_tau": round(t.served_tau, 4), "all_anchor_tau": round(t.uniform_tau, 4)}
+                for n, t in trees.items()
+            }
+            rows[-1]["trees_seconds"] = round(time.perf_counter() - start, 1)
+            for n, t in trees.items():
+                print(
+                    f"  tree of {n} nodes (top-{args.top_k}): served-walk τ {t.served_tau:.3f}, all-anchor τ {t.uniform_tau:.3f}",
+                    flush=True,
+                )
     held = (
         f"the first {len(held_out)} chats of part {args.eval_part}"
         if args.eval_part
@@ -65,6 +89,8 @@ def main() -> None:
     print("| drafter | served-walk τ | all-anchor τ | rounds |\n|---|---|---|---|")
     for row in rows:
         print(f"| {row['drafter']} | {row['served_tau']:.3f} | {row['all_anchor_tau']:.3f} | {row['rounds']} |")
+        for n, tree in row.get("trees", {}).items():
+            print(f"| {row['drafter']}, tree of {n} | {tree['served_tau']:.3f} | {tree['all_anchor_tau']:.3f} | |")
     result = {
         "settings": {**vars(args), "dtype": str(target.dtype), "sample_ids": [sample["id"] for sample in held_out]},
         "results": rows,

@@ -13,6 +13,7 @@ hidden states equal those of a causal forward over context + the path to i.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -68,6 +69,55 @@ def merge_branches(root: int, branches: Sequence[torch.LongTensor]) -> DraftTree
             node = child
         layout.append(tuple(nodes))
     return DraftTree(torch.tensor(values, dtype=torch.long, device=device), tuple(parents), tuple(layout))
+
+
+def best_first_tree(
+    root: int, token_ids: torch.LongTensor, log_probs: torch.Tensor, max_nodes: int
+) -> tuple[DraftTree, torch.Tensor]:
+    """The draft tree of the `max_nodes` most probable continuations of a DFlash block (DDTree's tree).
+
+    A block's draft slots are drafted in one pass, independently given the context, so a continuation
+    t_1..t_d has probability prod_i q_i(t_i). token_ids, log_probs (L, K): the K best tokens of each of the
+    L draft slots, log-probabilities descending. The tree holds root + the max_nodes - 1 most probable
+    continuations (lengths 1..L, each of the K best tokens per slot): a continuation is never likelier than
+    its prefix, so these are prefix-closed. Found best-first with a heap (each node pushes its best child
+    and its next sibling), so nodes come in decreasing probability: parents before children, and the
+    tree of n < max_nodes nodes is the first n nodes. Returns the tree (branches: none) and the (N,)
+    log-probability of reaching each node (0 for the root).
+    """
+    length, width = token_ids.shape
+    scores = log_probs.tolist()
+    ids = token_ids.tolist()
+    values, parents, reach = [int(root)], [-1], [0.0]
+    heap = [(-scores[0][0], 0, 0, 0)] if length and width and max_nodes > 1 else []  # (-log p, parent, slot, rank)
+    while heap and len(values) < max_nodes:
+        negative, parent, slot, rank = heapq.heappop(heap)
+        node = len(values)
+        values.append(ids[slot][rank])
+        parents.append(parent)
+        reach.append(-negative)
+        if slot + 1 < length:  # its best child
+            heapq.heappush(heap, (negative - scores[slot + 1][0], node, slot + 1, 0))
+        if rank + 1 < width:  # its next sibling
+            heapq.heappush(heap, (-reach[parent] - scores[slot][rank + 1], parent, slot, rank + 1))
+    tree = DraftTree(torch.tensor(values, dtype=torch.long, device=token_ids.device), tuple(parents), ())
+    return tree, torch.tensor(reach, dtype=torch.float64)
+
+
+def accepted_path(tree: DraftTree, continuation: Sequence[int]) -> list[int]:
+    """The nodes of the longest prefix of `continuation` (the tokens the target commits after the root, in
+    order) that the tree holds, root first: what greedy verification of this tree accepts."""
+    children: list[dict[int, int]] = [{} for _ in range(tree.num_nodes)]
+    values = tree.tokens.tolist()
+    for node in range(1, tree.num_nodes):
+        children[tree.parents[node]][values[node]] = node
+    path = [0]
+    for token in continuation:
+        child = children[path[-1]].get(int(token))
+        if child is None:
+            break
+        path.append(child)
+    return path
 
 
 def tree_depths(parents: Sequence[int]) -> torch.LongTensor:

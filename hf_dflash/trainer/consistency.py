@@ -19,11 +19,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..generation.tree import accepted_path, best_first_tree
 from ..target_features import compute_target_features
 from .forward import dflash_training_forward
 from .maths import build_blocks
 
-__all__ = ["ServedTauEstimate", "anchor_taus", "reply_spans", "served_tau_estimate", "walk_served_rounds"]
+__all__ = [
+    "ServedTauEstimate",
+    "anchor_taus",
+    "reply_spans",
+    "served_tau_estimate",
+    "served_tree_tau_estimates",
+    "walk_served_rounds",
+]
 
 
 def reply_spans(loss_mask: list[int]) -> list[tuple[int, int]]:
@@ -82,10 +90,56 @@ def served_tau_estimate(
     the packed training forward with an anchor at EVERY reply position (in chunks of `anchors_per_forward`
     to bound memory), and argmax drafts are compared with the data tokens (the target's own greedy reply).
     """
+    lm_head = target.get_output_embeddings()
+    block_size = drafter.config.block_size
+
+    def chain_taus(hidden, blocks):
+        drafts = drafter.greedy_draft_tokens(hidden, lm_head)  # (1, A*bs)
+        correct = (drafts == blocks["labels"]) & (blocks["loss_weights"] > 0)
+        return {"chain": anchor_taus(correct[0], block_size)}
+
+    return served_estimates(drafter, target, samples, chain_taus, anchors_per_forward)["chain"]
+
+
+@torch.no_grad()
+def served_tree_tau_estimates(
+    drafter, target, samples: list[dict], budgets: list[int], top_k: int = 16, anchors_per_forward: int = 64
+) -> dict[int, ServedTauEstimate]:
+    """`served_tau_estimate` for draft trees: τ(p) is 1 + the depth of the longest prefix of the data's
+    continuation held by the drafter's best-first tree of N nodes (`generation.tree.best_first_tree`: the N - 1
+    most probable continuations, the `top_k` best tokens per slot), for each N in `budgets`, from one tree
+    of the largest budget (a smaller tree is its first N nodes)."""
+    lm_head = target.get_output_embeddings()
+    block_size, largest = drafter.config.block_size, max(budgets)
+    token_ids = drafter.draft_token_ids
+
+    def tree_taus(hidden, blocks):
+        logits = drafter.draft_logits(hidden, lm_head, full_vocab=False).float()  # (1, A*bs, V')
+        log_probs, ranked = logits.log_softmax(-1).topk(min(top_k, logits.shape[-1]), dim=-1)
+        if token_ids is not None:
+            ranked = token_ids.to(ranked.device)[ranked]
+        slots = lambda t: t.view(-1, block_size, *t.shape[2:])[:, 1:]  # noqa: E731  (A, L, ...) draft slots
+        labels, supervised = slots(blocks["labels"]), slots(blocks["loss_weights"] > 0)
+        log_probs, ranked = slots(log_probs), slots(ranked)
+        taus = {budget: [] for budget in budgets}
+        for a in range(labels.shape[0]):
+            tree, _ = best_first_tree(0, ranked[a], log_probs[a], largest)
+            reply = labels[a][supervised[a].long().cumprod(0).bool()].tolist()  # up to the first unsupervised
+            path = accepted_path(tree, reply)[1:]
+            for budget in budgets:  # nodes along a path are numbered increasingly: count those below N
+                taus[budget].append(1 + sum(node < budget for node in path))
+        return {budget: torch.tensor(values) for budget, values in taus.items()}
+
+    return served_estimates(drafter, target, samples, tree_taus, anchors_per_forward)
+
+
+def served_estimates(drafter, target, samples: list[dict], score, anchors_per_forward: int) -> dict:
+    """The served-walk and uniform τ of every scoring `score(hidden, blocks) -> {key: (A,) τ per anchor}`
+    gives, over `samples`: one packed training forward with an anchor at every reply position (in chunks)."""
     config = drafter.config
     block_size, device = config.block_size, next(drafter.parameters()).device
-    lm_head, embedding = target.get_output_embeddings(), target.get_input_embeddings()
-    rounds, per_sample, every = [], [], []
+    embedding = target.get_input_embeddings()
+    taus_at: dict = {}  # key -> per sample: {position: τ}
     drafter_was_training = drafter.training
     drafter.eval()
     for sample in samples:
@@ -98,26 +152,30 @@ def served_tau_estimate(
         features = features.to(next(drafter.parameters()).dtype)
         mask = loss_mask[0].bool()
         candidates = (mask[:-1] & mask[1:]).nonzero().squeeze(1)  # anchors with a next token in the reply
-        tau_at = {}
+        sample_taus: dict = {}
         for chunk in candidates.split(anchors_per_forward):
             anchors = chunk[None]
             valid = torch.ones_like(anchors, dtype=torch.bool)
             blocks = build_blocks(input_ids, loss_mask, anchors, valid, block_size, config.mask_token_id, 1.0)
             batch = {"input_ids": input_ids, "anchor_positions": anchors, "anchor_valid": valid, **blocks}
             hidden = dflash_training_forward(drafter, embedding, batch, features, config)
-            drafts = drafter.greedy_draft_tokens(hidden, lm_head)  # (1, A*bs)
-            supervised = blocks["loss_weights"] > 0
-            correct = (drafts == blocks["labels"]) & supervised
-            for position, tau in zip(chunk.tolist(), anchor_taus(correct[0], block_size).tolist()):
-                tau_at[position] = tau
-        every += list(tau_at.values())
-        sample_rounds = walk_served_rounds(tau_at, reply_spans(sample["loss_mask"]))
-        rounds += sample_rounds
-        per_sample.append(sum(sample_rounds) / len(sample_rounds) if sample_rounds else 0.0)
+            for key, taus in score(hidden, blocks).items():
+                sample_taus.setdefault(key, {}).update(zip(chunk.tolist(), taus.tolist()))
+        for key, tau_at in sample_taus.items():
+            taus_at.setdefault(key, []).append(tau_at)
     drafter.train(drafter_was_training)
-    return ServedTauEstimate(
-        uniform_tau=sum(every) / len(every) if every else 0.0,
-        served_tau=sum(rounds) / len(rounds) if rounds else 0.0,
-        rounds=rounds,
-        per_sample=per_sample,
-    )
+    estimates = {}
+    for key, per_sample_taus in taus_at.items():
+        rounds, per_sample, every = [], [], []
+        for sample, tau_at in zip(samples, per_sample_taus):
+            every += list(tau_at.values())
+            sample_rounds = walk_served_rounds(tau_at, reply_spans(sample["loss_mask"]))
+            rounds += sample_rounds
+            per_sample.append(sum(sample_rounds) / len(sample_rounds) if sample_rounds else 0.0)
+        estimates[key] = ServedTauEstimate(
+            uniform_tau=sum(every) / len(every) if every else 0.0,
+            served_tau=sum(rounds) / len(rounds) if rounds else 0.0,
+            rounds=rounds,
+            per_sample=per_sample,
+        )
+    return estimates
