@@ -135,6 +135,8 @@ def test_report_has_every_field_and_all_methods_equal_plain_greedy_in_fp32(greed
                 assert stats["rounds"] - row["generations"] <= costs["rounds"] <= stats["rounds"]
                 assert costs["mean_target_ms"] > 0
                 assert sum(entry["rounds"] for entry in costs["by_tree_size"].values()) == costs["rounds"]
+            elif method == "tree":  # every round is one tree forward (its size chosen by the cost curve)
+                assert stats["branch_shares"] is None and stats["round_costs"]["rounds"] == stats["rounds"]
             else:
                 assert stats["branch_shares"] is None and stats["round_costs"] is None
     assert report["divergences"] == []
@@ -204,6 +206,7 @@ def test_builtin_and_lookup_rounds_read_off_the_forwards():
     assert max(runs["dflash"].acceptance_lengths) == 4
     assert sum(runs["builtin"].acceptance_lengths) == 30 - 1 and sum(runs["lookup"].acceptance_lengths) == 30
     assert runs["plain"].acceptance_lengths is None
+    assert sum(runs["tree"].acceptance_lengths) == 30 - 1 and max(runs["tree"].acceptance_lengths) == 4
     hybrid = runs["hybrid"]
     prefill_token = not drafter.last_acceptance.first_round_in_prefill  # the prefill verified n-gram drafts, or not
     assert sum(hybrid.acceptance_lengths) == sum(hybrid.branches.values()) == 30 - prefill_token

@@ -5,6 +5,8 @@
     builtin  ... assistant_model=drafter, speculation_type="dflash"  Transformers' built-in DFlash loop
     lookup   ... prompt_lookup_num_tokens=10                         prompt-lookup decoding
     hybrid   ... assistant_model=drafter, prompt_lookup_num_tokens=10  DFlash block + n-gram drafts as one tree
+    tree     ... assistant_model=drafter with drafter.draft_tree = "auto"  the drafter's own draft tree, sized
+             by the measured cost of verification
     plain-alt  plain decoding with the target in the OTHER dtype (bf16 <-> fp32): the baseline is the
              faster plain decoding of the two, so no speed-up is bought with a slow baseline
 
@@ -15,9 +17,9 @@ round before it committed). DFlash's prefill drafts nothing (it only produces th
 for both DFlash loops the prefill is not a round; prompt lookup drafts from the prompt in its very first
 forward, so there it is one.
 
-Hybrid runs also report where their committed tokens came from (`Generation.branches`) and, per round,
-the tree's size and the wall time of its target forward (`Generation.round_costs`, timed with forward
-hooks on the target).
+Hybrid runs also report where their committed tokens came from (`Generation.branches`); hybrid and tree
+runs, per round, the tree's size and the wall time of its target forward (`Generation.round_costs`, timed
+with forward hooks on the target).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ __all__ = [
     "max_round_length",
 ]
 
-METHODS = ("plain", "dflash", "builtin", "lookup", "hybrid", "plain-alt")
+METHODS = ("plain", "dflash", "builtin", "lookup", "tree", "hybrid", "plain-alt")
+TREE_SETTING = "auto"  # drafter.draft_tree of the "tree" method
 PLAIN_METHODS = ("plain", "plain-alt")  # no drafting: the candidates for the baseline
 PROMPT_LOOKUP_NUM_TOKENS = 10
 
@@ -139,12 +142,13 @@ def check_methods(methods) -> None:
 
 def method_kwargs(method: str, drafter: torch.nn.Module | None) -> dict:
     """The `generate` keyword arguments that select `method`."""
-    if method in ("dflash", "builtin", "hybrid") and drafter is None:
+    if method in ("dflash", "builtin", "hybrid", "tree") and drafter is None:
         raise ValueError(f"Method {method!r} needs a drafter.")
     return {
         "plain": {},
         "plain-alt": {},
         "dflash": {"assistant_model": drafter},
+        "tree": {"assistant_model": drafter},
         "builtin": {"assistant_model": drafter, "speculation_type": "dflash"},
         "lookup": {"prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS},
         "hybrid": {"assistant_model": drafter, "prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS},
@@ -153,7 +157,7 @@ def method_kwargs(method: str, drafter: torch.nn.Module | None) -> dict:
 
 def max_round_length(method: str, block_size: int) -> int:
     """The most tokens one verification round of `method` can commit (drafts + bonus)."""
-    longest = {"plain": 1, "plain-alt": 1, "dflash": block_size, "builtin": block_size,
+    longest = {"plain": 1, "plain-alt": 1, "dflash": block_size, "builtin": block_size, "tree": block_size,
                "lookup": PROMPT_LOOKUP_NUM_TOKENS + 1}  # fmt: skip
     return longest.get(method, max(block_size, PROMPT_LOOKUP_NUM_TOKENS + 1))  # hybrid: the deeper branch
 
@@ -170,26 +174,33 @@ def generate_with(method: str, target, drafter, inputs: dict[str, torch.Tensor],
     prompt_length = inputs["input_ids"].shape[1]
     # Only the methods whose rounds are read off the forwards pay for the hook (a few µs per forward).
     recorder = ForwardRecorder(target) if method in ("builtin", "lookup") else nullcontext()
-    timer = ForwardTimer(target) if method == "hybrid" else nullcontext()
-    with recorder, timer:
-        _synchronize(target.device)
-        start = time.perf_counter()
-        sequences = target.generate(**inputs, **generation_kwargs, **method_kwargs(method, drafter))
-        _synchronize(target.device)
-        seconds = time.perf_counter() - start
+    timer = ForwardTimer(target) if method in ("hybrid", "tree") else nullcontext()
+    tree_setting = getattr(drafter, "draft_tree", None) if drafter is not None else None
+    if drafter is not None:  # only the tree method drafts trees
+        drafter.draft_tree = TREE_SETTING if method == "tree" else None
+    try:
+        with recorder, timer:
+            _synchronize(target.device)
+            start = time.perf_counter()
+            sequences = target.generate(**inputs, **generation_kwargs, **method_kwargs(method, drafter))
+            _synchronize(target.device)
+            seconds = time.perf_counter() - start
+    finally:
+        if drafter is not None:
+            drafter.draft_tree = tree_setting
     branches = round_costs = block_sizes = None
     if method in PLAIN_METHODS:
         lengths = None
-    elif method in ("dflash", "hybrid"):
+    elif method in ("dflash", "hybrid", "tree"):
         lengths = list(drafter.last_acceptance.acceptance_lengths)
         block_sizes = list(drafter.last_acceptance.block_sizes)
     else:
         lengths = recorder.committed_per_forward(prompt_length, sequences.shape[1])
         if method == "builtin":
             lengths = lengths[1:]  # the prefill only produces the drafter's context features
-    if method == "hybrid":
+    if method in ("hybrid", "tree"):
         stats = drafter.last_acceptance
-        branches = branch_tokens(stats)
+        branches = branch_tokens(stats) if method == "hybrid" else None
         # one forward per round after the prefill (the last ones: a first call also times the cost model); a
         # prefill that verified n-gram drafts is a round but not a tree forward like the others: left out
         sizes = stats.tree_sizes[1:] if stats.first_round_in_prefill else stats.tree_sizes
@@ -199,7 +210,7 @@ def generate_with(method: str, target, drafter, inputs: dict[str, torch.Tensor],
         sequences=sequences,
         seconds=seconds,
         acceptance_lengths=lengths,
-        block_sizes=block_sizes if method == "dflash" else None,
+        block_sizes=block_sizes if method in ("dflash", "tree") else None,
         branches=branches,
         round_costs=round_costs,
     )

@@ -57,7 +57,9 @@ def summarize_method(samples: list[Sample], method: str, block_size: int, plain_
             "histogram": histogram(lengths, max_round_length(method, block_size)),
         }
     if method == "hybrid":
-        summary |= {"branch_shares": branch_shares(mine), "round_costs": round_costs(mine)}
+        summary |= {"branch_shares": branch_shares(mine)}
+    if method in ("hybrid", "tree"):
+        summary |= {"round_costs": round_costs(mine)}
     return summary
 
 

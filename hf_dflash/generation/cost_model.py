@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 MEASURED_BLOCK_LENGTHS = (1, 2, 4, 8, 16)
-MEASURED_VERIFICATION_LENGTHS = (1, 2, 4, 8, 12, 16, 20, 24, 32)
+MEASURED_VERIFICATION_LENGTHS = (1, 2, 4, 8, 12, 16, 20, 24, 32, 48, 64)
 
 
 def interpolate(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -159,9 +159,9 @@ def measured_block_lengths(block_size: int) -> tuple[int, ...]:
     return tuple(sorted({k for k in MEASURED_BLOCK_LENGTHS if k <= block_size} | {block_size}))
 
 
-def measured_verification_lengths(block_size: int) -> tuple[int, ...]:
-    """The token counts n of the verification pass timed for hybrid drafting: 1, 2, 4, 8, 12, ..., 32 up to
-    2B, B and 2B (a tree holds the block and at most about as many n-gram drafts)."""
-    return tuple(
-        sorted({n for n in MEASURED_VERIFICATION_LENGTHS if n <= 2 * block_size} | {block_size, 2 * block_size})
-    )
+def measured_verification_lengths(block_size: int, max_tokens: int | None = None) -> tuple[int, ...]:
+    """The token counts n of the verification pass timed for draft trees: 1, 2, 4, 8, 12, ..., 64 up to the
+    largest tree, B and that size; by default 2B (hybrid drafting: the block and at most about as many
+    n-gram drafts)."""
+    largest = max(2 * block_size, max_tokens or 0)
+    return tuple(sorted({n for n in MEASURED_VERIFICATION_LENGTHS if n <= largest} | {block_size, largest}))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import statistics
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -39,10 +38,12 @@ def _synchronize(device: torch.device) -> None:
 
 
 def time_in_turn(run: Callable[[int], None], sizes: Sequence[int], repeats: int, device: torch.device) -> tuple:
-    """Median seconds of `run(size)` per size, timed in turn `repeats` times (machine noise spreads over all
-    sizes) after one warm-up call at the largest size (first-call allocations and kernel selection). A pass
+    """Seconds of `run(size)` per size: the fastest of `repeats` calls timed in turn (other work on the
+    machine only ever slows a call down, and a spike of one size would otherwise price every larger one),
+    after one warm-up call of each size (first-call allocations and per-shape kernel selection). A pass
     never gets cheaper with its size, so noise that says otherwise is evened out (running maximum)."""
-    run(max(sizes))
+    for size in sizes:
+        run(size)
     times: dict[int, list[float]] = {size: [] for size in sizes}
     for _ in range(repeats):
         for size in sizes:
@@ -51,8 +52,8 @@ def time_in_turn(run: Callable[[int], None], sizes: Sequence[int], repeats: int,
             run(size)
             _synchronize(device)
             times[size].append(time.perf_counter() - start)
-    medians = torch.tensor([statistics.median(times[size]) for size in sizes])
-    return tuple(medians.cummax(0).values.tolist())
+    fastest = torch.tensor([min(times[size]) for size in sizes])
+    return tuple(fastest.cummax(0).values.tolist())
 
 
 @torch.no_grad()
@@ -62,16 +63,14 @@ def measure_round_seconds(
     rows: int,
     block_lengths: Sequence[int],
     context_length: int = 32,
-    repeats: int = 3,
+    repeats: int = 5,
 ) -> tuple[float, ...]:
-    """Median seconds of one round per block length k, timed with the real models.
+    """Seconds of one round per block length k (`time_in_turn`), timed with the real models.
 
     A round = drafter pass over k new context features and a k-token block, its LM head on the k-1 draft
     slots (none when k = 1), then a target forward over k tokens after a `context_length`-token prompt,
-    with the hidden states the drafter needs. Both caches are cropped back after each pass. The block
-    lengths are timed in turn `repeats` times (machine noise spreads over all of them) after one
-    warm-up round; a round never gets cheaper with k, so noise that says otherwise is evened out
-    (running maximum). Uses no random numbers, so measuring never changes what `generate` samples.
+    with the hidden states the drafter needs. Both caches are cropped back after each pass. Uses no random
+    numbers, so measuring never changes what `generate` samples.
     """
     device = target.device
     layer_ids = list(drafter.config.target_layer_ids)
@@ -113,12 +112,11 @@ def measure_verification_seconds(
     rows: int,
     lengths: Sequence[int],
     context_length: int = 32,
-    repeats: int = 3,
+    repeats: int = 5,
 ) -> tuple[float, ...]:
-    """Median seconds of one target verification pass over n tokens, per n in `lengths`, as a draft tree
-    is verified: after a `context_length`-token prompt, with an explicit 4D tree mask, depth positions and
-    the hidden states the drafter needs; the cache is cropped back after each pass. Timed in turn
-    `repeats` times after one warm-up pass; evened out to never decrease with n (running maximum)."""
+    """Seconds of one target verification pass over n tokens (`time_in_turn`), per n in `lengths`, as a draft
+    tree is verified: after a `context_length`-token prompt, with an explicit 4D tree mask, depth positions
+    and the hidden states the drafter needs; the cache is cropped back after each pass."""
     device = target.device
     hidden_request = [i + 1 for i in drafter.config.target_layer_ids]
     vocab = target.get_input_embeddings().num_embeddings
@@ -181,10 +179,12 @@ def cost_model_path(key: dict, cache_dir: str | Path | None = None) -> Path:
     return Path(cache_dir) / "cost_models" / f"{digest}.json"
 
 
-def read_cost_model(path: Path, key: dict, block_lengths: Sequence[int]) -> CostModel | None:
+def read_cost_model(
+    path: Path, key: dict, block_lengths: Sequence[int], verified: Sequence[int] = ()
+) -> CostModel | None:
     """The cached model at `path`, or None when absent. A corrupt file, or one for another key or
     other block lengths, is ignored with a warning (it is measured again and overwritten). Verification
-    times for other token counts are dropped (measured again when needed)."""
+    times that miss some of the token counts `verified` are dropped (measured again when needed)."""
     if not path.is_file():
         return None
     try:
@@ -197,9 +197,8 @@ def read_cost_model(path: Path, key: dict, block_lengths: Sequence[int]) -> Cost
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as error:
         warnings.warn(f"Ignoring the DFlash cost model cache {path} ({error}); measuring again.", stacklevel=3)
         return None
-    verified = measured_verification_lengths(max(block_lengths))
-    if model.has_verification and model.verification_lengths != verified:
-        model = CostModel(model.block_lengths, model.seconds)
+    if model.has_verification and not set(verified) <= set(model.verification_lengths):
+        model = CostModel(model.block_lengths, model.seconds)  # measured again, over the larger set
     return model
 
 
@@ -211,19 +210,21 @@ def measured_cost_model(
     measure: Callable[..., Sequence[float]] = measure_round_seconds,
     verification: bool = False,
     measure_verification: Callable[..., Sequence[float]] = measure_verification_seconds,
+    max_verified_tokens: int | None = None,
 ) -> CostModel:
     """The cached cost model of this (target, drafter, machine), measuring the `rows` not cached yet.
 
     `measure(target, drafter, rows, block_lengths)` returns seconds per block length (injectable); with
     `verification` (hybrid drafting), `measure_verification(target, drafter, rows, lengths)` the seconds
-    of the verification pass alone per token count. The file is rewritten atomically, so concurrent runs
+    of the verification pass alone per token count, up to `max_verified_tokens` (default 2B; draft trees ask for
+    more; cached times over a larger set of counts serve a smaller one). The file is rewritten atomically, so concurrent runs
     never read half a file; a cache folder that cannot be written only warns.
     """
     key = cost_model_key(target, drafter)
     path = cost_model_path(key, cache_dir)
     lengths = measured_block_lengths(drafter.config.block_size)
-    verified = measured_verification_lengths(drafter.config.block_size)
-    cached = read_cost_model(path, key, lengths)
+    verified = measured_verification_lengths(drafter.config.block_size, max_verified_tokens)
+    cached = read_cost_model(path, key, lengths, verified)
     seconds = dict(cached.seconds) if cached is not None else {}
     verification_seconds = dict(cached.verification_seconds) if cached is not None else {}
     missing = sorted(set(rows) - set(seconds))

@@ -26,6 +26,7 @@ length chosen each round (`drafter.block_size_policy`, `adaptive.py`).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -38,10 +39,19 @@ from ..modeling_dflash import DFlashDraftModel
 from ..target_features import target_layer_features
 from .adaptive import block_size_controller
 from .drafting import BlockDrafter, Drafts
-from .hybrid import HybridDrafting
+from .hybrid import HybridDrafting, verifies_trees
 from .pairing import check_pairing
 from .stats import AcceptanceStats
-from .tree import DraftTree, greedy_tree_path, keep_tree_path, process_tree_logits, tree_attention_bias, tree_depths
+from .tree import (
+    DraftTree,
+    greedy_tree_path,
+    keep_tree_path,
+    process_tree_logits,
+    sampled_tree_path,
+    tree_attention_bias,
+    tree_depths,
+)
+from .tree_drafting import tree_drafting
 from .verification import (
     accepted_lengths,
     count_until_stop,
@@ -53,6 +63,18 @@ from .verification import (
 
 # Transformers 5.24 renamed the output's `past_key_values` field to `cache`.
 CACHE_FIELD = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+
+
+@dataclass
+class RoundDraft:
+    """What a round verifies: drafts (B, d) after each row's bonus token, the tree they form (batch 1: a
+    drafter tree, or the two branches of hybrid drafting; None for chains), the block length k of the drafter
+    pass and the block's draft slots it filled (0: no drafter pass)."""
+
+    drafts: Drafts
+    tree: DraftTree | None
+    block_length: int
+    slots: int
 
 
 @dataclass
@@ -207,6 +229,21 @@ class DecodingLoop:
         hybrid = self.generation_config.prompt_lookup_num_tokens is not None
         self.hybrid = HybridDrafting(self.drafter, self.target, self.generation_config, self.cache) if hybrid else None
         self.controller = None if hybrid else block_size_controller(self.drafter, self.target, batch_size=batch)
+        self.trees = None if hybrid else tree_drafting(self.drafter, self.target)
+        if self.trees is not None:
+            max_nodes, max_length = self.trees.max_nodes, self.generation_config.max_length
+            if batch > 1:  # one tree per row would need a mask per row: larger batches draft chains
+                warnings.warn(
+                    f"drafter.draft_tree serves batch size 1; this batch of {batch} drafts chains.", stacklevel=2
+                )
+                self.trees = None
+            elif not verifies_trees(self.target, self.cache, max_length, max_nodes):
+                warnings.warn(
+                    "This target cannot verify a draft tree in one forward (attention other than eager/SDPA, "
+                    "a cache other than DynamicCache, or a sliding window generation can reach): drafting chains.",
+                    stacklevel=2,
+                )
+                self.trees = None
         self.target_mask = input_ids.new_zeros(batch, 0)  # (B, T) validity of the target cache's slots
         self.context, self.context_mask = None, None  # target features the drafter has not read yet
 
@@ -218,16 +255,21 @@ class DecodingLoop:
         prefill = True
         while True:
             prefixes = [self.sequences[row, : self.lengths[row]] for row in self.rows]
-            drafts, tree, block_length = self.draft(prefixes, prefill)
+            planned = self.draft(prefixes, prefill)
+            drafts, tree = planned.drafts, planned.tree
             counts_as_round = not prefill or drafts.tokens.shape[1] > 0
             if counts_as_round:
-                self.stats.block_sizes.append(block_length)
+                self.stats.block_sizes.append(planned.block_length)
                 self.stats.first_round_in_prefill |= prefill
             outputs = self.verify(unread, unread_mask, drafts, tree, prefill, model_kwargs)
             verdict = self.accept(prefixes, drafts, tree, outputs)
             committed = self.commit(verdict, counts_as_round)
             if self.controller is not None and counts_as_round:
-                self.controller.observe(self.rows, drafts.tokens.shape[1], verdict.num_accepted)
+                self.controller.observe(self.rows, planned.slots, verdict.num_accepted)
+            if self.trees is not None and counts_as_round:  # a round without a drafter pass verifies the root
+                self.stats.tree_sizes.append(tree.num_nodes if tree is not None else 1)
+                if tree is not None:
+                    self.trees.observe(int(verdict.num_accepted[0]))
             if self.hybrid is not None and counts_as_round:
                 start = self.lengths[0] - int(committed[0])
                 self.hybrid.observe(self.sequences[0, start : self.lengths[0]], self.stats)
@@ -246,10 +288,10 @@ class DecodingLoop:
 
     # --- the steps of a round ---
 
-    def draft(self, prefixes: list[torch.LongTensor], prefill: bool) -> tuple[Drafts, DraftTree | None, int]:
-        """The round's drafts (B, d), the tree they form (hybrid, two branches; else None) and the block
-        length k. The prefill drafts no block (the drafter needs the prompt's features first). A block of
-        k tokens drafts k - 1 tokens for every row, never past the longest row's limit."""
+    def draft(self, prefixes: list[torch.LongTensor], prefill: bool) -> RoundDraft:
+        """The round's drafts. The prefill drafts no block (the drafter needs the prompt's features first).
+        A block of k tokens drafts k - 1 tokens for every row, never past the longest row's limit; a drafter
+        tree (batch 1) holds the most probable continuations of those k - 1 slots."""
         ngram = None
         if self.hybrid is not None:
             block_length, ngram = self.hybrid.plan(prefixes[0], block_allowed=not prefill)
@@ -261,14 +303,18 @@ class DecodingLoop:
         if num_drafts:
             hidden = self.block.draft_hidden(bonus, self.context, self.context_mask, block_length)[:, :num_drafts]
             self.context = None  # the drafter has read it
+            if self.trees is not None:
+                logits, token_ids = self.block.tree_logits(hidden, self.logits_processor, 1, self.rows, prefixes)
+                tree = self.trees.build(int(bonus[0]), logits[0], token_ids)
+                return RoundDraft(Drafts(tree.tokens[None, 1:]), tree, block_length, num_drafts)
             drafts = self.block.draft(
                 hidden, self.do_sample, self.logits_processor, self.batch_size, self.rows, prefixes
             )
         if ngram is None or (prefill and not len(ngram)):
-            return drafts, None, block_length
+            return RoundDraft(drafts, None, block_length, num_drafts)
         drafts = self.hybrid.candidates(int(bonus[0]), drafts, ngram)
         tree = None if self.hybrid.tree.is_chain else self.hybrid.tree
-        return drafts, tree, block_length
+        return RoundDraft(drafts, tree, block_length, num_drafts)
 
     def verify(self, unread, unread_mask, drafts: Drafts, tree: DraftTree | None, prefill: bool, model_kwargs):
         """ONE target forward over [unread (B, u), drafts (B, d)] with the hidden states the drafter needs.
@@ -310,12 +356,17 @@ class DecodingLoop:
         num_drafts = drafts.tokens.shape[1]
         raw_logits = outputs.logits[:, -num_drafts - 1 :].float()
         hidden = outputs.hidden_states
-        if tree is not None:  # greedy: the longest accepted path through the tree
+        if tree is not None:  # the longest accepted path through the tree (batch 1)
             processed = process_tree_logits(self.logits_processor, prefixes[0][None], tree, raw_logits)
-            path = greedy_tree_path(tree, greedy_tokens(processed[0]))
+            if self.do_sample:
+                path, last = sampled_tree_path(tree, processed[0].softmax(-1))
+                new_tokens = torch.cat([tree.tokens[path[1:]].to(last.device), last])[None]
+            else:
+                path = greedy_tree_path(tree, greedy_tokens(processed[0]))
+                new_tokens = greedy_tokens(processed[:, path])
             raw_logits, processed = raw_logits[:, path], processed[:, path]
             hidden = tuple(None if h is None else h[:, path] for h in hidden)
-            return Verdict(greedy_tokens(processed), torch.tensor([len(path) - 1]), processed, raw_logits, hidden, path)
+            return Verdict(new_tokens, torch.tensor([len(path) - 1]), processed, raw_logits, hidden, path)
         processed = process_rows(self.logits_processor, self.batch_size, self.rows, prefixes, drafts.tokens, raw_logits)
         if self.do_sample:
             new_tokens, num_accepted = sample_rows(drafts.tokens, drafts.scores, processed.softmax(-1))

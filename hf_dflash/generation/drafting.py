@@ -93,6 +93,17 @@ class BlockDrafter:
         tokens = torch.multinomial(probs.flatten(0, 1), 1).view(probs.shape[:2])
         return Drafts(tokens, probs)
 
+    def tree_logits(
+        self, hidden: torch.Tensor, logits_processor=None, batch_size: int = 1, rows=None, prefixes=None
+    ) -> tuple[torch.Tensor, torch.LongTensor | None]:
+        """Draft logits (B, d, V') of `draft_hidden`'s outputs for building a tree, and the target ids of their
+        V' columns (None: V' is the target vocabulary). Without logits processors a pruned draft vocabulary
+        scores only its own ids; with them, full-vocabulary logits are processed as `draft` processes them."""
+        if not logits_processor:
+            return self.drafter.draft_logits(hidden, self.lm_head, full_vocab=False), self.drafter.draft_token_ids
+        logits = self.drafter.draft_logits(hidden, self.lm_head)
+        return process_draft_rows(logits_processor, batch_size, rows or [0], prefixes, logits), None
+
     def prune(self, index: torch.LongTensor | None) -> None:
         """Keep the rows `index` (B',) (None: all) and compact the cache when its holes exceed the bound."""
         if self.mask is None:

@@ -163,6 +163,26 @@ def greedy_tree_path(tree: DraftTree, target_tokens: torch.LongTensor) -> list[i
     return path
 
 
+def sampled_tree_path(tree: DraftTree, target_probs: torch.Tensor) -> tuple[list[int], torch.LongTensor]:
+    """Sampling through a tree: at each node (from the root) draw the target's next token from its own
+    distribution; step to the child holding it, or stop and commit it. target_probs (N, V): the target's
+    (processed) distribution after each node. Every committed token is drawn from the target, so the
+    output is distributed exactly as plain sampling's; with deterministic candidates (a tree of the top
+    continuations, an n-gram copy) this is also the most a node's children can be accepted (their target
+    mass). Returns the path (root first) and the committed token after its last node (1,)."""
+    children: list[dict[int, int]] = [{} for _ in range(tree.num_nodes)]
+    values = tree.tokens.tolist()
+    for node in range(1, tree.num_nodes):
+        children[tree.parents[node]][values[node]] = node
+    path = [0]
+    while True:
+        token = torch.multinomial(target_probs[path[-1]], 1)
+        child = children[path[-1]].get(int(token))
+        if child is None:
+            return path, token
+        path.append(child)
+
+
 def node_prefix(sequence: torch.LongTensor, tree: DraftTree, node: int) -> torch.LongTensor:
     """(1, L + depth): the committed tokens (ending with the root) followed by the drafts on the path to `node`."""
     path = []

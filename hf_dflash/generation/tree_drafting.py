@@ -1,0 +1,106 @@
+"""Draft trees from the drafter's own distribution: more tokens per round from the same drafter pass.
+
+The drafter scores every vocabulary entry at every slot of its block in one pass; a chain keeps the argmax
+of each slot. A draft tree keeps the most probable continuations instead (`tree.best_first_tree`, as
+DDTree does): the target verifies all of them in one forward (tree mask, positions by depth) and keeps the
+longest one it agrees with, so greedy output stays token-identical; sampling walks the tree by sampling the
+target's own token at each node (`tree.sampled_tree_path`), so the output is distributed as the target's.
+
+Opt in on the drafter (batch size 1; larger batches draft chains):
+
+    drafter.draft_tree = "auto"   # the tree size that maximises expected tokens per second, each round
+    drafter.draft_tree = 32       # always (up to) 32 nodes, root included
+    drafter.draft_tree = None     # default: the chain
+
+"auto" weighs each node's chance of being accepted (its path probability under the drafter, calibrated
+by the acceptance seen so far) against the measured cost of verifying one more node (`cost_timing.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from ..modeling_dflash import DFlashDraftModel
+from .cost_timing import measured_cost_model
+from .tree import DraftTree, best_first_tree
+
+TREE_ATTRIBUTE = "draft_tree"  # the drafter attribute `generate` reads
+AUTO_MAX_NODES = 64  # the largest tree "auto" considers
+DEFAULT_TOP_K = 16  # candidates per slot (DFlash2: the target's token is in the drafter's top-16 99.5% of the time)
+CALIBRATION_DECAY = 0.9  # weight kept by past rounds in the calibration of the drafter's probabilities
+
+
+def best_tree_size(reach: torch.Tensor, seconds: torch.Tensor, calibration: float = 1.0) -> int:
+    """The node count n that maximises expected committed tokens per second.
+
+    reach (N,): log-probability of reaching each node of a best-first tree (root 0, then decreasing);
+    seconds (>= N,): seconds of a round with n = 1.. nodes. A round commits 1 + the accepted drafts, in
+    expectation 1 + calibration * sum of the first n - 1 nodes' probabilities. The smallest n on ties.
+    """
+    gain = torch.cumsum(reach.exp().to(torch.float64), 0) - 1  # (N,) expected accepted drafts of n nodes
+    rate = (1 + calibration * gain) / seconds[: len(reach)].to(torch.float64)
+    return int(rate.argmax()) + 1
+
+
+@dataclass
+class TreeDrafting:
+    """Builds each round's tree (at most `max_nodes` nodes, `top_k` candidates per slot) and, with a cost
+    curve (`seconds`: round seconds per node count), chooses its size; learns how far to trust the drafter's
+    probabilities from the acceptance it observes."""
+
+    max_nodes: int
+    top_k: int = DEFAULT_TOP_K
+    seconds: torch.Tensor | None = None  # (max_nodes,) seconds of a round with n nodes; None: always max_nodes
+    accepted: float = field(default=0.0, init=False)  # discounted accepted drafts
+    predicted: float = field(default=0.0, init=False)  # discounted expected accepted drafts
+    expected: float = field(default=0.0, init=False)  # the last tree's expected accepted drafts
+
+    def __post_init__(self):
+        if self.max_nodes < 2 or self.top_k < 1:
+            raise ValueError(f"A draft tree needs max_nodes >= 2 and top_k >= 1, got {self.max_nodes}, {self.top_k}.")
+
+    @property
+    def calibration(self) -> float:
+        """Observed / predicted accepted drafts, shrunk toward 1 by one round's worth of prior."""
+        return (self.accepted + 1.0) / (self.predicted + 1.0)
+
+    def build(self, root: int, logits: torch.Tensor, token_ids: torch.LongTensor | None) -> DraftTree:
+        """The tree after `root` from the draft logits (L, V') of the block's L draft slots; token_ids (V',) maps
+        a pruned draft vocabulary to target ids (None: V' is the target vocabulary)."""
+        log_probs, ranked = logits.float().log_softmax(-1).topk(min(self.top_k, logits.shape[-1]), dim=-1)
+        if token_ids is not None:
+            ranked = token_ids.to(ranked.device)[ranked]
+        tree, reach = best_first_tree(root, ranked, log_probs, self.max_nodes)
+        size = tree.num_nodes if self.seconds is None else best_tree_size(reach, self.seconds, self.calibration)
+        tree = DraftTree(tree.tokens[:size], tree.parents[:size], ())
+        self.expected = float(reach[1:size].exp().sum())
+        return tree
+
+    def observe(self, accepted_drafts: int) -> None:
+        """The last tree's round accepted this many drafts."""
+        self.accepted = CALIBRATION_DECAY * self.accepted + accepted_drafts
+        self.predicted = CALIBRATION_DECAY * self.predicted + self.expected
+
+
+def tree_drafting(drafter: DFlashDraftModel, target: PreTrainedModel) -> TreeDrafting | None:
+    """The tree setting of one `generate` call from `drafter.draft_tree`: None (chains), an int N >= 2 (trees
+    of up to N nodes), "auto" (up to `AUTO_MAX_NODES`, sized by the measured cost curve), or a
+    `TreeDrafting`. Anything else raises ValueError."""
+    setting = getattr(drafter, TREE_ATTRIBUTE, None)
+    if setting is None or isinstance(setting, TreeDrafting):
+        return setting
+    if isinstance(setting, str) and setting == "auto":
+        cost = measured_cost_model(target, drafter, (1,), verification=True, max_verified_tokens=AUTO_MAX_NODES)
+        block_size = drafter.config.block_size
+        verify = cost.verification_seconds_per_length(1, max(AUTO_MAX_NODES, block_size))
+        drafting = cost.round_seconds(1, block_size)[-1] - verify[block_size - 1]  # the drafter's pass
+        return TreeDrafting(AUTO_MAX_NODES, seconds=drafting.clamp_min(0) + verify[:AUTO_MAX_NODES])
+    if isinstance(setting, int) and not isinstance(setting, bool) and setting >= 2:
+        return TreeDrafting(setting)
+    raise ValueError(
+        f"drafter.draft_tree = {setting!r} is not a tree setting. Use None (chains), 'auto' (sized by the measured "
+        "cost of verification), an int N >= 2 (trees of up to N nodes, root included), or a TreeDrafting(...)."
+    )
