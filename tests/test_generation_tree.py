@@ -141,3 +141,25 @@ def test_settings_batches_and_targets_that_cannot_verify_a_tree():
     with pytest.warns(UserWarning, match="cannot verify a draft tree"):
         out = target.generate(input_ids, max_new_tokens=10, assistant_model=drafter, past_key_values=cache, **GREEDY)
     assert torch.equal(out, plain_greedy(target, input_ids, max_new_tokens=10, eos_token_id=None))
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_hybrid_with_a_drafter_tree_matches_plain_greedy(arch):
+    """Hybrid drafting grafts the n-gram continuation onto the drafter's tree: one tree, one target forward."""
+    from tests.test_generation_hybrid import prompt as hybrid_prompt
+
+    target = make_target(arch)
+    drafter = make_drafter(target, block_size=6)
+    drafter.draft_tree = 12
+    drafter.block_size_policy = 6
+    for seed, repeats in [(0, True), (1, False), (2, True)]:
+        input_ids = hybrid_prompt(seed, repeats)
+        expected = plain_greedy(target, input_ids, max_new_tokens=37, eos_token_id=None)
+        actual = target.generate(
+            input_ids, max_new_tokens=37, assistant_model=drafter, prompt_lookup_num_tokens=5, **GREEDY
+        )
+        assert torch.equal(actual, expected)
+        stats = drafter.last_acceptance
+        assert sum(stats.acceptance_lengths) + (not stats.first_round_in_prefill) == 37
+        assert len(stats.tree_sizes) == len(stats.block_tokens) == len(stats.acceptance_lengths)
+    assert max(stats.tree_sizes) > 12  # the n-gram branch was grafted onto a full drafter tree

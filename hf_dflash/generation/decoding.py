@@ -229,7 +229,9 @@ class DecodingLoop:
         hybrid = self.generation_config.prompt_lookup_num_tokens is not None
         self.hybrid = HybridDrafting(self.drafter, self.target, self.generation_config, self.cache) if hybrid else None
         self.controller = None if hybrid else block_size_controller(self.drafter, self.target, batch_size=batch)
-        self.trees = None if hybrid else tree_drafting(self.drafter, self.target)
+        # Sampling with hybrid drafting chooses one branch before verification: the block stays a chain there.
+        one_branch = hybrid and bool(self.generation_config.do_sample)
+        self.trees = None if one_branch else tree_drafting(self.drafter, self.target)
         if self.trees is not None:
             max_nodes, max_length = self.trees.max_nodes, self.generation_config.max_length
             if batch > 1:  # one tree per row would need a mask per row: larger batches draft chains
@@ -266,13 +268,15 @@ class DecodingLoop:
             committed = self.commit(verdict, counts_as_round)
             if self.controller is not None and counts_as_round:
                 self.controller.observe(self.rows, planned.slots, verdict.num_accepted)
-            if self.trees is not None and counts_as_round:  # a round without a drafter pass verifies the root
-                self.stats.tree_sizes.append(tree.num_nodes if tree is not None else 1)
+            if self.trees is not None and counts_as_round and self.hybrid is None:
+                self.stats.tree_sizes.append(tree.num_nodes if tree is not None else 1)  # 1: no drafter pass
                 if tree is not None:
                     self.trees.observe(int(verdict.num_accepted[0]))
             if self.hybrid is not None and counts_as_round:
                 start = self.lengths[0] - int(committed[0])
                 self.hybrid.observe(self.sequences[0, start : self.lengths[0]], self.stats)
+                if self.trees is not None and planned.slots:  # calibrated by the drafts the block tree won
+                    self.trees.observe(self.stats.block_tokens[-1])
             if self.batch_size == 1:
                 self.record_outputs(int(committed[0]), verdict, prefill)
             self.rollback(committed, unread_mask, drafts.tokens.shape[1], tree, verdict)
@@ -299,20 +303,23 @@ class DecodingLoop:
             block_length = 1 if prefill else self.controller.choose(self.rows)
         num_drafts = max(0, min(block_length - 1, max(self.cap - self.lengths[row] - 1 for row in self.rows)))
         bonus = torch.stack([prefix[-1] for prefix in prefixes])
-        drafts = Drafts(bonus.new_empty(len(self.rows), 0))
+        drafts, block_tree = Drafts(bonus.new_empty(len(self.rows), 0)), None
         if num_drafts:
             hidden = self.block.draft_hidden(bonus, self.context, self.context_mask, block_length)[:, :num_drafts]
             self.context = None  # the drafter has read it
             if self.trees is not None:
                 logits, token_ids = self.block.tree_logits(hidden, self.logits_processor, 1, self.rows, prefixes)
-                tree = self.trees.build(int(bonus[0]), logits[0], token_ids)
-                return RoundDraft(Drafts(tree.tokens[None, 1:]), tree, block_length, num_drafts)
-            drafts = self.block.draft(
-                hidden, self.do_sample, self.logits_processor, self.batch_size, self.rows, prefixes
-            )
+                block_tree = self.trees.build(int(bonus[0]), logits[0], token_ids)
+                drafts = Drafts(block_tree.tokens[None, 1:])
+                if ngram is None:
+                    return RoundDraft(drafts, block_tree, block_length, num_drafts)
+            else:
+                drafts = self.block.draft(
+                    hidden, self.do_sample, self.logits_processor, self.batch_size, self.rows, prefixes
+                )
         if ngram is None or (prefill and not len(ngram)):
             return RoundDraft(drafts, None, block_length, num_drafts)
-        drafts = self.hybrid.candidates(int(bonus[0]), drafts, ngram)
+        drafts = self.hybrid.candidates(int(bonus[0]), drafts, ngram, block_tree)
         tree = None if self.hybrid.tree.is_chain else self.hybrid.tree
         return RoundDraft(drafts, tree, block_length, num_drafts)
 

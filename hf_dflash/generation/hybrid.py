@@ -31,7 +31,7 @@ from .cost_timing import measured_cost_model
 from .drafting import Drafts
 from .ngram import DEFAULT_MAX_NGRAM_SIZE, MATCH_BUCKETS, PromptLookup, match_bucket
 from .stats import AcceptanceStats
-from .tree import DraftTree, merge_branches
+from .tree import DraftTree, accepted_path, merge_branches, tree_depths
 from .verification import accepted_lengths
 
 # The prior of the block's gain beside n-gram drafts, per match bucket (1, 2-3, >= 4 tokens), as a share of
@@ -238,6 +238,7 @@ class HybridDrafting:
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.ngram_found: torch.LongTensor | None = None  # the n-gram continuation found this round
         self.tree: DraftTree | None = None  # the round's draft as a tree (a chain unless both branches drafted)
+        self.block_tree: DraftTree | None = None  # the block's part of it: its chain, or the drafter's tree
 
     def plan(self, sequence: torch.LongTensor, block_allowed: bool = True) -> tuple[int, torch.LongTensor]:
         """The block length k and the n-gram drafts (m,) of the round after the committed `sequence` (L,);
@@ -246,11 +247,15 @@ class HybridDrafting:
         block_length, num_ngram = self.budget.choose(len(self.ngram_found), block_allowed, match_length)
         return block_length, self.ngram_found[:num_ngram]
 
-    def candidates(self, root: int, block: Drafts, ngram: torch.LongTensor) -> Drafts:
+    def candidates(
+        self, root: int, block: Drafts, ngram: torch.LongTensor, block_tree: DraftTree | None = None
+    ) -> Drafts:
         """The round's draft from the block's drafts (1, d) and the n-gram drafts (m,): the block alone, the
         n-gram chain alone (with one-hot draft probabilities when sampling: rejection sampling then accepts
-        a draft with probability p(draft)), or both as `self.tree`'s nodes 1..N-1 (greedy only)."""
-        self.tree = merge_branches(root, [block.tokens[0], ngram])
+        a draft with probability p(draft)), or both as `self.tree`'s nodes 1..N-1 (greedy only). With a
+        drafter tree (`block_tree`, its nodes 1..N-1 the block's drafts) the n-gram chain is grafted onto it."""
+        self.block_tree = block_tree if block_tree is not None else merge_branches(root, [block.tokens[0]])
+        self.tree = merge_branches(root, [ngram], base=self.block_tree)
         if not len(ngram):
             return block
         if not block.tokens.shape[1]:
@@ -263,16 +268,15 @@ class HybridDrafting:
     def observe(self, committed: torch.LongTensor, stats: AcceptanceStats) -> None:
         """committed (c,): the round's committed tokens, its accepted drafts first (c - 1 of them)."""
         num_matches = len(committed) - 1
-        block = self.tree.tokens[list(self.tree.branches[0])]
         stats.tree_sizes.append(self.tree.num_nodes)
-        stats.block_tokens.append(agreement(block, committed[:num_matches]))
-        stats.ngram_tokens.append(agreement(self.tree.tokens[list(self.tree.branches[1])], committed[:num_matches]))
+        stats.block_tokens.append(len(accepted_path(self.block_tree, committed[:num_matches])) - 1)
+        stats.ngram_tokens.append(agreement(self.tree.tokens[list(self.tree.branches[-1])], committed[:num_matches]))
         # Each branch's drafts against the committed tokens, bonus included: for the n-gram branch also
         # the drafts found but left out of the tree (whether the target would have accepted them).
-        block_compared, ngram_compared = min(len(block), len(committed)), min(len(self.ngram_found), len(committed))
-        self.budget.observe(
-            block_compared, agreement(block, committed), ngram_compared, agreement(self.ngram_found, committed)
-        )
+        block_depth = int(tree_depths(self.block_tree.parents).max())
+        block_compared, ngram_compared = min(block_depth, len(committed)), min(len(self.ngram_found), len(committed))
+        block_agreed = len(accepted_path(self.block_tree, committed)) - 1
+        self.budget.observe(block_compared, block_agreed, ngram_compared, agreement(self.ngram_found, committed))
 
 
 def agreement(drafts: torch.LongTensor, committed: torch.LongTensor) -> int:

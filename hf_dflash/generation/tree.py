@@ -48,13 +48,20 @@ class DraftTree:
         return all(parent == node - 1 for node, parent in enumerate(self.parents))
 
 
-def merge_branches(root: int, branches: Sequence[torch.LongTensor]) -> DraftTree:
+def merge_branches(root: int, branches: Sequence[torch.LongTensor], base: DraftTree | None = None) -> DraftTree:
     """The trie of `branches` (each (n_b,) drafted tokens following `root`): a shared prefix becomes shared
     nodes. Nodes are numbered in order of first appearance, so branch 0 occupies nodes 1..n_0 (an
-    accepted path inside it is a prefix of the layout: the cache is then cropped, not gathered)."""
+    accepted path inside it is a prefix of the layout: the cache is then cropped, not gathered).
+    With a `base` tree (same root), its nodes keep their numbers and the branches are grafted onto it;
+    the result's branches are the base's followed by these."""
     device = branches[0].device if branches else torch.device("cpu")
-    values, parents, children = [int(root)], [-1], [{}]
-    layout = []
+    values, parents, children, layout = [int(root)], [-1], [{}], []
+    if base is not None:
+        device = base.tokens.device
+        values, parents, layout = base.tokens.tolist(), list(base.parents), list(base.branches)
+        children = [{} for _ in values]
+        for node in range(1, len(values)):
+            children[parents[node]][values[node]] = node
     for branch in branches:
         node, nodes = 0, []
         for token in branch.tolist():
