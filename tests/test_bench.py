@@ -112,8 +112,8 @@ def test_report_has_every_field_and_all_methods_equal_plain_greedy_in_fp32(greed
     for row in [*report["sets"].values(), report["overall"]]:
         assert row["n"] == 3 and row["generations"] == 4  # the 2-turn prompt answers twice
         assert set(row["methods"]) == set(METHODS)
-        # the baseline is the faster plain decoding: plain (fp32 here) or plain-alt (bf16)
-        plain_rates = {method: row["methods"][method]["tok_s"] for method in ("plain", "plain-alt")}
+        # the baseline is the fastest plain decoding: plain (fp32 here), plain-alt (bf16) or plain-compiled
+        plain_rates = {method: row["methods"][method]["tok_s"] for method in ("plain", "plain-alt", "plain-compiled")}
         assert row["baseline"] == max(plain_rates, key=plain_rates.get)
         for method, stats in row["methods"].items():
             assert set(stats) == METHOD_FIELDS
@@ -121,6 +121,8 @@ def test_report_has_every_field_and_all_methods_equal_plain_greedy_in_fp32(greed
             assert stats["speedup"] == pytest.approx(stats["tok_s"] / max(plain_rates.values()))
             if method in ("plain", "plain-alt"):
                 assert stats["identical"] is None and stats["tau"] is None
+            elif method == "plain-compiled":  # compiled fp32 plain greedy: the same tokens, no rounds
+                assert stats["identical"] is True and stats["tau"] is None
             else:
                 assert stats["identical"] is True and stats["divergences"] == 0
                 assert sum(stats["histogram"]) == stats["rounds"] > 0
@@ -145,6 +147,9 @@ def test_report_has_every_field_and_all_methods_equal_plain_greedy_in_fp32(greed
     assert all(sample["identical"] for sample in samples if sample["method"] not in ("plain", "plain-alt"))
     assert report["settings"]["dtypes"] == {"plain": "float32", "plain-alt": "bfloat16"}
     assert "plain float32, plain-alt bfloat16" in format_table(report)
+    # every method's first call is untimed; plain-compiled's compiles the decoding step, reported apart
+    assert set(report["settings"]["warmup_seconds"]) == set(METHODS)
+    assert "plain-compiled: compiled in its warm-up call" in format_table(report)
 
 
 def test_card_validates_and_is_written_for_export(greedy):
@@ -191,9 +196,11 @@ def test_sampling_mode_reports_tau_and_speedup_without_identity(folders, tmp_pat
     assert "not applicable" in card["settings"]["identity_check"]
 
 
-def test_builtin_and_lookup_rounds_read_off_the_forwards():
+def test_builtin_and_lookup_rounds_read_off_the_forwards(monkeypatch):
     """With an always-right drafter both DFlash loops commit the same rounds; every method accounts for
     every new token (DFlash loops: all but the prefill's)."""
+    # "auto" sizes trees by the machine's measured costs (a loaded machine may find no tree worth it): fixed
+    monkeypatch.setattr("hf_dflash.bench.methods.TREE_SETTING", 8)
     target = make_target("llama")
     inputs = {"input_ids": torch.tensor([[1, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]])}
     kwargs = {"do_sample": False, "max_new_tokens": 30, "eos_token_id": None}

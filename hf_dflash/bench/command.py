@@ -94,6 +94,7 @@ def run_bench(
         + f"; methods {', '.join(methods)}, interleaved per prompt; max {max_new_tokens} new tokens, "
         + ("greedy." if temperature <= 0 else f"sampling at temperature {temperature} (seed {seed}).")
     )
+    warmup_seconds: dict[str, float] = {}
     samples = run_benchmark(
         models.target,
         models.tokenizer,
@@ -105,6 +106,7 @@ def run_bench(
         seed=seed,
         progress=progress,
         alt_target=alt_target,
+        warmup_seconds=warmup_seconds,
     )
     settings = {
         "target": target,
@@ -117,6 +119,8 @@ def run_bench(
         "dtype": dtype_name(models.target.dtype),
         "dtype_choice": dtype_note,
         "dtypes": dtypes,  # per plain method; every other method runs in "dtype"
+        # each method's first (untimed) call of the run: plain-compiled's compile, reported apart from tok/s
+        "warmup_seconds": {method: round(seconds, 2) for method, seconds in warmup_seconds.items()},
         "device": options["device"],
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,

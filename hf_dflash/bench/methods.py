@@ -7,8 +7,12 @@
     hybrid   ... assistant_model=drafter, prompt_lookup_num_tokens=10  DFlash block + n-gram drafts as one tree
     tree     ... assistant_model=drafter with drafter.draft_tree = "auto"  the drafter's own draft tree, sized
              by the measured cost of verification
-    plain-alt  plain decoding with the target in the OTHER dtype (bf16 <-> fp32): the baseline is the
-             faster plain decoding of the two, so no speed-up is bought with a slow baseline
+    plain-alt  plain decoding with the target in the OTHER dtype (bf16 <-> fp32)
+    plain-compiled  plain decoding with a StaticCache and Transformers' automatic `torch.compile` of the
+             decoding step (`compile_config`, also on CPU); the cache length is a multiple of
+             `STATIC_CACHE_LENGTH` so one graph serves every prompt of a run, and the compile is paid by the
+             warm-up call (reported apart), not by the timed ones
+The baseline is the fastest of the plain decodings that ran, so no speed-up is bought with a slow baseline.
 
 Acceptance lengths (tokens committed per verification round, bonus token included): our loop reports
 them in `drafter.last_acceptance`; for the other speculative methods they are read off the target's
@@ -29,6 +33,9 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+from transformers import CompileConfig, StaticCache
+
+from ..caches import cache_keyword
 
 __all__ = [
     "METHODS",
@@ -43,9 +50,10 @@ __all__ = [
     "max_round_length",
 ]
 
-METHODS = ("plain", "dflash", "builtin", "lookup", "tree", "hybrid", "plain-alt")
+METHODS = ("plain", "dflash", "builtin", "lookup", "tree", "hybrid", "plain-alt", "plain-compiled")
 TREE_SETTING = "auto"  # drafter.draft_tree of the "tree" method
-PLAIN_METHODS = ("plain", "plain-alt")  # no drafting: the candidates for the baseline
+PLAIN_METHODS = ("plain", "plain-alt", "plain-compiled")  # no drafting: the candidates for the baseline
+STATIC_CACHE_LENGTH = 2048  # plain-compiled: cache lengths are multiples of this (one graph per multiple)
 PROMPT_LOOKUP_NUM_TOKENS = 10
 
 
@@ -140,11 +148,22 @@ def check_methods(methods) -> None:
         raise ValueError(f"Unknown or no methods {list(methods)}; choose from {', '.join(METHODS)}.")
 
 
+def compiled_plain_kwargs(target, length: int) -> dict:
+    """`generate` keyword arguments for plain decoding with a StaticCache of a multiple of
+    `STATIC_CACHE_LENGTH` slots (at least `length`) and the compiled decoding step."""
+    compile_config = CompileConfig(dynamic=False, mode="reduce-overhead" if target.device.type == "cuda" else None)
+    compile_config._compile_all_devices = True  # transformers 5.24 compiles generate's step on accelerators only
+    slots = -(-length // STATIC_CACHE_LENGTH) * STATIC_CACHE_LENGTH
+    cache = StaticCache(config=target.config, max_cache_len=slots)
+    return {cache_keyword(target): cache, "compile_config": compile_config}
+
+
 def method_kwargs(method: str, drafter: torch.nn.Module | None) -> dict:
-    """The `generate` keyword arguments that select `method`."""
+    """The `generate` keyword arguments that select `method` (plain-compiled: see `compiled_plain_kwargs`)."""
     if method in ("dflash", "builtin", "hybrid", "tree") and drafter is None:
         raise ValueError(f"Method {method!r} needs a drafter.")
     return {
+        "plain-compiled": {},
         "plain": {},
         "plain-alt": {},
         "dflash": {"assistant_model": drafter},
@@ -157,7 +176,7 @@ def method_kwargs(method: str, drafter: torch.nn.Module | None) -> dict:
 
 def max_round_length(method: str, block_size: int) -> int:
     """The most tokens one verification round of `method` can commit (drafts + bonus)."""
-    longest = {"plain": 1, "plain-alt": 1, "dflash": block_size, "builtin": block_size, "tree": block_size,
+    longest = {"plain": 1, "plain-alt": 1, "plain-compiled": 1, "dflash": block_size, "builtin": block_size, "tree": block_size,
                "lookup": PROMPT_LOOKUP_NUM_TOKENS + 1}  # fmt: skip
     return longest.get(method, max(block_size, PROMPT_LOOKUP_NUM_TOKENS + 1))  # hybrid: the deeper branch
 
@@ -182,7 +201,11 @@ def generate_with(method: str, target, drafter, inputs: dict[str, torch.Tensor],
         with recorder, timer:
             _synchronize(target.device)
             start = time.perf_counter()
-            sequences = target.generate(**inputs, **generation_kwargs, **method_kwargs(method, drafter))
+            extra = method_kwargs(method, drafter)
+            if method == "plain-compiled":
+                length = inputs["input_ids"].shape[1] + generation_kwargs["max_new_tokens"]
+                extra = compiled_plain_kwargs(target, length)
+            sequences = target.generate(**inputs, **generation_kwargs, **extra)
             _synchronize(target.device)
             seconds = time.perf_counter() - start
     finally:

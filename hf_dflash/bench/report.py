@@ -128,6 +128,9 @@ def format_table(report: dict) -> str:
             + ", ".join(f"{method} {dtype}" for method, dtype in dtypes.items())
             + "; speed-ups are against the faster plain decoding of each set (marked baseline)"
         )
+    warmups = report["settings"].get("warmup_seconds") or {}
+    if "plain-compiled" in warmups:
+        text.append(f"plain-compiled: compiled in its warm-up call ({warmups['plain-compiled']:.1f} s, not in tok/s)")
     if report["settings"].get("prompts_run"):
         text.append("prompts run: " + prompts_run_line(report["settings"]["prompts_run"]))
     if "hybrid" in report["methods"]:

@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .divergence import Divergence, first_divergence
-from .methods import METHODS, PLAIN_METHODS, Generation, check_methods, generate_with
+from .methods import METHODS, Generation, check_methods, generate_with
 
 __all__ = ["Sample", "chat_inputs", "compare_turn", "generation_settings", "rotated", "run_benchmark"]
 
@@ -75,7 +75,7 @@ def compare_turn(
     """One `Sample` per method of one turn; with `compare`, each checked token for token against plain."""
     samples = []
     for method, generation in generations.items():
-        checked = compare and method not in PLAIN_METHODS  # plain-alt runs in another dtype: not comparable
+        checked = compare and method not in ("plain", "plain-alt")  # plain-alt runs in another dtype
         divergence = None
         if checked:
             divergence = first_divergence(target, generations["plain"].sequences, generation.sequences, prompt_length)
@@ -109,13 +109,15 @@ def run_benchmark(
     seed: int = 0,
     progress: bool = True,
     alt_target=None,
+    warmup_seconds: dict[str, float] | None = None,
 ) -> list[Sample]:
     """Generate every turn of every prompt with every method; return one `Sample` per answer.
 
     Greedy (`temperature` 0): each answer is compared token for token with plain greedy, and the first
     difference is located with the target's top-2 logit gap there. Sampling: every method of a prompt
     starts from the same seed (`seed` + prompt index); outputs legitimately differ and are not compared.
-    `alt_target` (the same target in another dtype) runs the "plain-alt" method.
+    `alt_target` (the same target in another dtype) runs the "plain-alt" method. `warmup_seconds`, when
+    given, receives each method's untimed warm-up call (plain-compiled: its compile) in seconds.
     """
     check_methods(methods)
     if "plain-alt" in methods and alt_target is None:
@@ -142,9 +144,11 @@ def run_benchmark(
                 inputs = chat_inputs(tokenizer, history, target.device)
                 if not warm:  # the first calls pay one-time costs (allocations, kernel selection)
                     for method in methods:
-                        generate_with(
+                        warmup = generate_with(
                             method, model_for(method), drafter, inputs, {**settings, "max_new_tokens": WARMUP_TOKENS}
                         )
+                        if warmup_seconds is not None:
+                            warmup_seconds[method] = warmup.seconds
                     warm = True
                 generations = {}
                 for method in rotated(methods, index):
