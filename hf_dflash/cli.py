@@ -12,6 +12,8 @@ import contextlib
 import sys
 from collections.abc import Callable, Sequence
 
+from .user_errors import run_reporting_errors
+
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 
 
@@ -472,7 +474,12 @@ def _run_generate(args: argparse.Namespace) -> int:
 def register_generate(subparsers) -> None:
     parser = _command(subparsers, "generate", _run_generate)
     parser.add_argument("--prompts", required=True, help="JSONL prompt file")
-    parser.add_argument("--out", required=True, help="output JSONL (id, messages, response, new_tokens)")
+    parser.add_argument(
+        "--out", required=True, help="output JSONL (id, messages, response, new_tokens); new unless --overwrite"
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an existing --out file (never the --prompts file)"
+    )
     parser.add_argument("--target", default="smollm2-135m-instruct", help="known target name or local folder")
     parser.add_argument("--drafter", default="random", help="drafter folder (either format), 'random' or 'none'")
     parser.add_argument("--batch-size", type=int, default=8, help="rows per batch (default: 8)")
@@ -572,14 +579,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hf-dflash` console script; returns the exit status.
-    User errors (ValueError) print `hf-dflash: error: ...` on stderr and return 1."""
+    User errors (bad values, files and folders: `user_errors`) print `hf-dflash <cmd>: error: ...` on stderr
+    and return 2, like argparse's own errors."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except ValueError as error:
-        print(f"hf-dflash {args.command}: error: {error}", file=sys.stderr)
-        return 1
+    return run_reporting_errors(f"hf-dflash {args.command}", lambda: args.func(args))
 
 
 if __name__ == "__main__":

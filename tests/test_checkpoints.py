@@ -356,7 +356,7 @@ def test_convert_cli_both_directions(hub_dir, inputs, expected, tmp_path, capsys
 
 def test_cli_reports_errors_and_rejects_bad_format(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
-    assert main(["convert", str(tmp_path / "empty"), str(tmp_path / "out"), "--to", "hub"]) == 1
+    assert main(["convert", str(tmp_path / "empty"), str(tmp_path / "out"), "--to", "hub"]) == 2
     assert "config.json" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["convert", "a", "b", "--to", "gguf"])
@@ -674,7 +674,7 @@ def test_convert_refuses_a_non_empty_destination(hub_dir, official_dir, tmp_path
     other = Path(shutil.copytree(official_dir, tmp_path / "other_drafter"))
     (other / "README.md").write_text("another drafter's card\n")
     before = {p.name: p.read_bytes() for p in other.iterdir()}
-    assert main(["convert", str(hub_dir), str(other), "--to", "official"]) == 1
+    assert main(["convert", str(hub_dir), str(other), "--to", "official"]) == 2
     err = capsys.readouterr().err
     assert "hf-dflash convert: error:" in err and "not empty" in err and "--overwrite" in err
     assert {p.name: p.read_bytes() for p in other.iterdir()} == before  # untouched
