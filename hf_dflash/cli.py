@@ -499,14 +499,21 @@ def _run_pack_data(args: argparse.Namespace) -> int:
     masks per shard, a manifest with the settings of each part, counts per source and sha256 per shard. Training
     reads OUT directly (data.tokenized: OUT).
     """
-    import json
     from pathlib import Path
 
     from transformers import AutoTokenizer
 
-    from .data.packed import pack_tokenized
+    from .data.packed import check_part_name, pack_tokenized
+    from .json_files import read_json_object
     from .models import default_cache_dir, get_spec, load_target
+    from .output_paths import check_output_folder
 
+    check_part_name(args.part)  # every argument is checked before the target's tokenizer is loaded
+    check_output_folder(args.out)
+    if args.samples_per_shard < 1:
+        raise ValueError(f"--samples-per-shard must be >= 1, got {args.samples_per_shard}.")
+    if not Path(args.tokenized).is_dir():
+        raise ValueError(f"--tokenized {args.tokenized} is not a folder (give prepare-data's tokenized/ folder).")
     settings = {}
     for key, folder in (("regeneration", args.responses), ("tokenization", args.tokenized), ("corpus", args.corpus)):
         if folder is None:
@@ -517,7 +524,7 @@ def _run_pack_data(args: argparse.Namespace) -> int:
                 f"{config} does not exist: --{key if key != 'regeneration' else 'responses'} must be a "
                 "folder written by hf-dflash prepare-data (it records its settings in config.json)."
             )
-        settings[key] = json.loads(config.read_text())
+        settings[key] = read_json_object(config, "settings")
     if args.note:
         settings["note"] = args.note
     get_spec(args.target)
