@@ -262,3 +262,35 @@ def test_cli_exits_2_on_a_file_error(tmp_path, capsys):
     source = tmp_path / "file.txt"
     source.write_text("not a checkpoint")
     fails_cleanly(capsys, ["convert", str(source), str(tmp_path / "out"), "--to", "hub"], "convert", "file.txt")
+
+
+@pytest.mark.parametrize(
+    "option, value, fragment",
+    [
+        ("--block-size", "0", "block_size (--block-size) must be an integer >= 1, got 0"),
+        ("--batch-size", "-1", "batch_size (--batch-size)"),
+        ("--max-prompts", "0", "max_prompts (--max-prompts)"),
+        ("--max-new-tokens", "4000", "max_new_tokens (4000) must be smaller than max_length"),
+    ],
+)
+def test_prepare_data_checks_every_setting_before_any_work(tmp_path, monkeypatch, capsys, option, value, fragment):
+    """Issue 25: `--block-size 0` was refused only after every reply had been regenerated."""
+    prompts = write_lines(tmp_path / "mine.jsonl", [{"prompt": "Hello."}])
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("a stage ran before the settings were checked")
+
+    monkeypatch.setattr(pipeline, "load_target", no_work)
+    monkeypatch.setattr(pipeline, "build_corpus", no_work)
+    out = tmp_path / "out"
+    argv = ["prepare-data", "--out", str(out), "--sources", "", "--prompts", str(prompts), option, value]
+    fails_cleanly(capsys, argv, "prepare-data", fragment)
+    assert not out.exists()
+
+
+def test_bench_out_pointing_at_a_file_is_refused_before_the_benchmark(folders, tmp_path, capsys):
+    """Issue 25: `bench --out FILE` ran the whole benchmark, then lost it to a FileExistsError."""
+    target, drafter, prompts, _ = folders
+    (tmp_path / "results").write_text("not a folder")
+    argv = ["bench", "--prompts", str(prompts), "--target", "nope", "--drafter", "random"]
+    fails_cleanly(capsys, [*argv, "--out", str(tmp_path / "results")], "bench", "--out", "is a file, not a folder")

@@ -51,3 +51,26 @@ def test_another_process_holding_the_lock_refuses_this_one(tmp_path):
         process.wait(timeout=30)
     with folder_lock(out):  # released with the process
         pass
+
+
+@pytest.mark.parametrize("writer", ["regeneration", "cache-features", "prepare-data"])
+def test_every_shared_folder_writer_refuses_a_second_one(tmp_path, writer):
+    """Issue 25 B1 for the other writers: a locked folder is refused before anything is written into it."""
+    from tests.test_data import PROMPTS, regenerate_tiny
+
+    out = tmp_path / "out"
+    with folder_lock(out):
+        with pytest.raises(FolderLockedError, match="another process is writing to"):
+            if writer == "regeneration":
+                regenerate_tiny(out, PROMPTS[:2])
+            elif writer == "cache-features":
+                from hf_dflash.data.feature_cache import cache_features
+                from tests.conftest import make_target
+                from tests.test_offline_features import write_tokenized
+
+                cache_features(make_target("llama"), write_tokenized(tmp_path / "data"), out, [0, 1])
+            else:
+                from hf_dflash.data.pipeline import prepare_data
+
+                prepare_data(out, sources=[], prompts_file=tmp_path / "none.jsonl")
+        assert sorted(path.name for path in out.iterdir()) == [LOCK_NAME]

@@ -191,7 +191,7 @@ def test_all_problems_are_reported_at_once_and_the_cli_prints_no_traceback(run_c
         load_train_config(path)
     lines = [line for line in str(error.value).splitlines() if line.startswith("  - ")]
     assert len(lines) == 3, error.value
-    assert main(["train", "--config", str(path)]) == 1
+    assert main(["train", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hf-dflash train: error:") and "Traceback" not in err and "drafter.num_layers" in err
 
