@@ -15,6 +15,8 @@ from hf_dflash.trainer.train import load_train_config, train_from_config
 from tests.conftest import make_target
 from tests.test_trainer import samples
 
+SHIPPED = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct-dflash"
+
 
 def write_tokenized(folder, rows):
     folder.mkdir(parents=True, exist_ok=True)
@@ -292,3 +294,35 @@ def test_evaluation_logs_the_served_tau_estimate_beside_the_uniform_one(run_conf
 def test_committed_training_configs_are_valid(path):
     config = load_train_config(path)  # every key and type checked (config_schema)
     assert config["training"]["output_dir"].startswith("out/")  # runs write to the ignored out/ folder
+
+
+def test_training_refuses_an_output_dir_it_did_not_make(run_config, tmp_path):
+    """Issue 25 B2: a copy of a shipped drafter folder as output_dir was overwritten (weights, config, card,
+    record) and kept its benchmark.json beside the new weights; now refused before anything loads."""
+    import shutil
+
+    config = load_train_config(run_config)
+    copy = tmp_path / "copy-of-shipped"
+    shutil.copytree(SHIPPED, copy, ignore=shutil.ignore_patterns("model.safetensors"))
+    (copy / "model.safetensors").write_bytes(b"the shipped weights")
+    before = {path.name: path.read_bytes() for path in copy.iterdir()}
+    config["training"]["output_dir"] = str(copy)
+    with pytest.raises(ValueError, match=r"was not made by hf-dflash train \(it holds README.md, benchmark.json"):
+        train_from_config(config)
+    assert {path.name: path.read_bytes() for path in copy.iterdir()} == before
+
+
+def test_training_locks_its_output_dir_and_marks_it_as_its_own(run_config, tmp_path):
+    from hf_dflash.folder_lock import FolderLockedError, folder_lock
+
+    config = load_train_config(run_config)
+    config["training"].update(max_steps=1, eval_strategy="no", save_strategy="no")
+    out = Path(config["training"]["output_dir"])
+    with folder_lock(out):  # another run is training into it
+        with pytest.raises(FolderLockedError, match="another process is writing to"):
+            train_from_config(config)
+    train_from_config(config)
+    assert json.loads((out / "training_started.json").read_text())["made_by"] == "hf-dflash train"
+    assert not (out / ".hf-dflash.lock").exists()
+    config["training"]["max_steps"] = 2  # its own folder: continued, not refused
+    assert train_from_config(config).state.global_step == 2
