@@ -326,3 +326,27 @@ def test_training_locks_its_output_dir_and_marks_it_as_its_own(run_config, tmp_p
     assert not (out / ".hf-dflash.lock").exists()
     config["training"]["max_steps"] = 2  # its own folder: continued, not refused
     assert train_from_config(config).state.global_step == 2
+
+
+def test_a_corrupt_checkpoint_is_skipped_or_named_never_a_traceback(run_config, capsys):
+    """Issue 25: a truncated model.safetensors and a pickle torch.load refuses in rng_state.pth reached users as
+    SafetensorError / UnpicklingError tracebacks."""
+    import pickle
+
+    config = load_train_config(run_config)
+    config["training"]["eval_strategy"] = "no"
+    train_from_config(config)
+    output = Path(config["training"]["output_dir"])
+    config["training"]["max_steps"] = 6
+    weights = output / "checkpoint-4" / "model.safetensors"
+    intact = weights.read_bytes()
+    weights.write_bytes(intact[:100])  # truncated: skipped like an interrupted save
+    capsys.readouterr()
+    assert train_from_config(config).state.global_step == 6
+    out = capsys.readouterr().out
+    assert "checkpoint-4 (unreadable model.safetensors" in out and "resuming from checkpoint-2" in out
+
+    config["training"]["max_steps"] = 8
+    (output / "checkpoint-6" / "rng_state.pth").write_bytes(pickle.dumps(Path("x")))  # a global torch refuses
+    with pytest.raises(ValueError, match=r"Cannot resume from .*checkpoint-6: .*UnpicklingError.*Delete"):
+        train_from_config(config)

@@ -27,10 +27,12 @@ alone (`finished_run.json`). The final drafter (LoRA merged) is saved Hub-native
 """
 
 import json
+import pickle
 import re
 from pathlib import Path
 
 import yaml
+from safetensors import SafetensorError, safe_open
 from torch.utils.data import Subset
 from transformers import set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -69,8 +71,16 @@ def checkpoint_problem(folder: Path) -> str | None:
     """Why a `checkpoint-N` folder cannot be resumed from (None when complete). The Trainer writes the
     weights first and `trainer_state.json` last, so an interrupted save lacks (or truncates) the latter."""
     state_file = folder / TRAINER_STATE_NAME
-    if not any((folder / name).is_file() for name in WEIGHT_NAMES):
+    weights = [folder / name for name in WEIGHT_NAMES if (folder / name).is_file()]
+    if not weights:
         return "no weights"
+    for path in weights:
+        if path.suffix == ".safetensors":
+            try:
+                with safe_open(str(path), framework="pt"):
+                    pass
+            except Exception as error:  # safetensors raises its own SafetensorError (and OSError)
+                return f"unreadable {path.name} ({type(error).__name__}: truncated or corrupt)"
     try:
         state = json.loads(state_file.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -282,7 +292,15 @@ def _train(config: dict, args: DFlashTrainingArguments, output_dir: Path, callba
     trainer = DFlashTrainer(
         model, args, target=target, train_dataset=train, eval_dataset=evaluation, callbacks=[record, *(callbacks or [])]
     )
-    trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
+    try:
+        trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
+    except (SafetensorError, pickle.UnpicklingError, EOFError) as error:
+        if resume is None:
+            raise
+        raise ValueError(
+            f"Cannot resume from {resume}: a file in it is unreadable or refused by torch.load ({type(error).__name__}: "
+            f"{str(error)[:200]}). Delete {resume} to resume from the checkpoint before it, or use a new output_dir."
+        ) from error
     final = model.merge_and_unload() if config.get("lora") else drafter
     if trainer.is_world_process_zero():
         final.save_pretrained(args.output_dir)
