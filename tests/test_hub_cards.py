@@ -469,7 +469,7 @@ def test_cli_export_bf16(tmp_path, drafter_dir, inputs_dir, capsys):
                 str(inputs_dir / "bad.json"),
             ]
         )
-        == 1
+        == 2
     )
     assert "sets.gsm8k.tau" in capsys.readouterr().err
 
