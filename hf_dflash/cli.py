@@ -166,12 +166,16 @@ def _run_cache_features(args: argparse.Namespace) -> int:
 
 
 def _layer_ids(text: str) -> list[int]:
+    """argparse type: distinct 0-based layer ids, comma-separated."""
     try:
-        return [int(part) for part in text.split(",")]
+        ids = [int(part) for part in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers, e.g. 1,8,14,20,27, got {text!r}"
         ) from None
+    if len(set(ids)) != len(ids) or any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"expected distinct 0-based layer ids, e.g. 1,8,14,20,27, got {text!r}")
+    return ids
 
 
 def register_cache_features(subparsers) -> None:

@@ -350,3 +350,35 @@ def test_a_corrupt_checkpoint_is_skipped_or_named_never_a_traceback(run_config, 
     (output / "checkpoint-6" / "rng_state.pth").write_bytes(pickle.dumps(Path("x")))  # a global torch refuses
     with pytest.raises(ValueError, match=r"Cannot resume from .*checkpoint-6: .*UnpicklingError.*Delete"):
         train_from_config(config)
+
+
+@pytest.mark.parametrize(
+    "section, values, problem",
+    [
+        ("training", {"max_steps": 0}, "training.max_steps: must be >= 1 (or -1), got 0"),
+        ("data", {"eval_samples": -3}, "data.eval_samples: must be >= 0, got -3"),
+        ("drafter", {"target_layer_ids": [5, 5]}, "drafter.target_layer_ids: expected distinct 0-based layer ids"),
+        ("drafter", {"target_layer_ids": [1.5, 2]}, "drafter.target_layer_ids: expected list[int] or null"),
+        ("drafter", {"mask_token_id": True}, "drafter.mask_token_id: expected int or null, got bool True"),
+        ("drafter", {"draft_vocab_size": True}, "drafter.draft_vocab_size: expected int or null, got bool True"),
+        ("data", {"eval_part": ""}, "data.eval_part: an empty name"),
+    ],
+)
+def test_config_values_out_of_range_are_named_not_coerced(run_config, section, values, problem):
+    """Issue 25: max_steps 0 trained one step, eval_samples -3 silently disabled held-out evaluation,
+    duplicate layer ids and `true` ids were accepted."""
+    from hf_dflash.trainer.config_schema import validate_train_config
+
+    config = load_train_config(run_config)
+    config[section] = {**(config.get(section) or {}), **values}
+    with pytest.raises(ValueError) as caught:
+        validate_train_config(config)
+    assert problem in str(caught.value), str(caught.value)
+
+
+def test_duplicate_layer_ids_on_the_command_line_are_refused(capsys):
+    from hf_dflash.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["cache-features", "--data", "d", "--out", "o", "--target-layer-ids", "5,5"])
+    assert stop.value.code == 2 and "distinct 0-based layer ids" in capsys.readouterr().err

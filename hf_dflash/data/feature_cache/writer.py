@@ -193,9 +193,13 @@ def cache_features(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
     fingerprint = target_fingerprint(target)
     num_layers = fingerprint["num_hidden_layers"]
-    if not target_layer_ids or not all(0 <= i < num_layers for i in target_layer_ids):
+    if (
+        not target_layer_ids
+        or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in target_layer_ids)
+        or len(set(target_layer_ids)) != len(target_layer_ids)
+    ):
         raise ValueError(
-            f"target_layer_ids={target_layer_ids} must be non-empty 0-based decoder layers of a "
+            f"target_layer_ids={target_layer_ids} must be distinct, non-empty 0-based decoder layers of a "
             f"{num_layers}-layer target (0..{num_layers - 1})."
         )
     header = {
