@@ -12,6 +12,8 @@ import contextlib
 import sys
 from collections.abc import Callable, Sequence
 
+from .user_errors import run_reporting_errors
+
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 
 
@@ -164,12 +166,16 @@ def _run_cache_features(args: argparse.Namespace) -> int:
 
 
 def _layer_ids(text: str) -> list[int]:
+    """argparse type: distinct 0-based layer ids, comma-separated."""
     try:
-        return [int(part) for part in text.split(",")]
+        ids = [int(part) for part in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers, e.g. 1,8,14,20,27, got {text!r}"
         ) from None
+    if len(set(ids)) != len(ids) or any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"expected distinct 0-based layer ids, e.g. 1,8,14,20,27, got {text!r}")
+    return ids
 
 
 def register_cache_features(subparsers) -> None:
@@ -472,7 +478,12 @@ def _run_generate(args: argparse.Namespace) -> int:
 def register_generate(subparsers) -> None:
     parser = _command(subparsers, "generate", _run_generate)
     parser.add_argument("--prompts", required=True, help="JSONL prompt file")
-    parser.add_argument("--out", required=True, help="output JSONL (id, messages, response, new_tokens)")
+    parser.add_argument(
+        "--out", required=True, help="output JSONL (id, messages, response, new_tokens); new unless --overwrite"
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an existing --out file (never the --prompts file)"
+    )
     parser.add_argument("--target", default="smollm2-135m-instruct", help="known target name or local folder")
     parser.add_argument("--drafter", default="random", help="drafter folder (either format), 'random' or 'none'")
     parser.add_argument("--batch-size", type=int, default=8, help="rows per batch (default: 8)")
@@ -492,14 +503,21 @@ def _run_pack_data(args: argparse.Namespace) -> int:
     masks per shard, a manifest with the settings of each part, counts per source and sha256 per shard. Training
     reads OUT directly (data.tokenized: OUT).
     """
-    import json
     from pathlib import Path
 
     from transformers import AutoTokenizer
 
-    from .data.packed import pack_tokenized
+    from .data.packed import check_part_name, pack_tokenized
+    from .json_files import read_json_object
     from .models import default_cache_dir, get_spec, load_target
+    from .output_paths import check_output_folder
 
+    check_part_name(args.part)  # every argument is checked before the target's tokenizer is loaded
+    check_output_folder(args.out)
+    if args.samples_per_shard < 1:
+        raise ValueError(f"--samples-per-shard must be >= 1, got {args.samples_per_shard}.")
+    if not Path(args.tokenized).is_dir():
+        raise ValueError(f"--tokenized {args.tokenized} is not a folder (give prepare-data's tokenized/ folder).")
     settings = {}
     for key, folder in (("regeneration", args.responses), ("tokenization", args.tokenized), ("corpus", args.corpus)):
         if folder is None:
@@ -510,7 +528,7 @@ def _run_pack_data(args: argparse.Namespace) -> int:
                 f"{config} does not exist: --{key if key != 'regeneration' else 'responses'} must be a "
                 "folder written by hf-dflash prepare-data (it records its settings in config.json)."
             )
-        settings[key] = json.loads(config.read_text())
+        settings[key] = read_json_object(config, "settings")
     if args.note:
         settings["note"] = args.note
     get_spec(args.target)
@@ -572,14 +590,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hf-dflash` console script; returns the exit status.
-    User errors (ValueError) print `hf-dflash: error: ...` on stderr and return 1."""
+    User errors (bad values, files and folders: `user_errors`) print `hf-dflash <cmd>: error: ...` on stderr
+    and return 2, like argparse's own errors."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except ValueError as error:
-        print(f"hf-dflash {args.command}: error: {error}", file=sys.stderr)
-        return 1
+    return run_reporting_errors(f"hf-dflash {args.command}", lambda: args.func(args))
 
 
 if __name__ == "__main__":

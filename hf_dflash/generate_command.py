@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 
 from .data.corpus import read_prompts_file
+from .json_files import write_atomic
+from .output_paths import check_new_file
 
 
 def generate_file(
@@ -17,14 +19,17 @@ def generate_file(
     out_file: str | Path,
     batch_size: int = 8,
     max_new_tokens: int = 256,
+    overwrite: bool = False,
 ) -> dict:
     """Write one `{"id", "messages", "response", "new_tokens"}` line per prompt to `out_file`.
 
     Prompts are sorted by length and left-padded in batches of `batch_size` (less padding); `drafter=None`
     decodes plainly. Returns throughput: new tokens summed over rows per second, and τ for DFlash.
+    `out_file` must be new unless `overwrite`, and is never the prompts file; it is written atomically.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+    check_new_file(out_file, overwrite=overwrite, inputs={"--prompts": prompts_file})
     records = read_prompts_file(prompts_file, require_prompts=True)
     texts = [tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False) for r in records]
     order = sorted(range(len(records)), key=lambda i: len(texts[i]))
@@ -52,10 +57,9 @@ def generate_file(
                 "response": tokenizer.decode(generated, skip_special_tokens=True),
                 "new_tokens": count,
             }
-    Path(out_file).parent.mkdir(parents=True, exist_ok=True)
-    with open(out_file, "w", encoding="utf-8") as handle:
-        for index in range(len(records)):
-            handle.write(json.dumps(results[index], ensure_ascii=False) + "\n")
+    write_atomic(
+        out_file, "".join(json.dumps(results[index], ensure_ascii=False) + "\n" for index in range(len(records)))
+    )
     summary = {
         "prompts": len(records),
         "batch_size": batch_size,
@@ -74,13 +78,19 @@ def run_generate(args) -> dict:
     from .generation.adaptive import parse_block_size_policy
 
     read_prompts_file(args.prompts, require_prompts=True)  # a bad prompts file fails before any model loads
+    check_new_file(args.out, overwrite=args.overwrite, inputs={"--prompts": args.prompts})  # and a bad --out
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}.")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
     models = load_bench_models(args.target, RANDOM_DRAFTER if args.drafter == "none" else args.drafter, args.dtype)
     drafter = None if args.drafter == "none" else models.drafter
     if drafter is not None:
         drafter.block_size_policy = parse_block_size_policy(args.block_size_policy, drafter.config.block_size)
     summary = generate_file(
-        models.target, models.tokenizer, drafter, args.prompts, args.out, args.batch_size, args.max_new_tokens
-    )
+        models.target, models.tokenizer, drafter, args.prompts, args.out, args.batch_size, args.max_new_tokens,
+        overwrite=args.overwrite,
+    )  # fmt: skip
     tau = summary["mean_acceptance_length"]
     print(
         f"{summary['prompts']} prompts, batch {args.batch_size}: {summary['new_tokens']} new tokens in "

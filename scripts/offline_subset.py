@@ -29,7 +29,10 @@ import sys
 from pathlib import Path
 
 from hf_dflash.data.packed import PackedDataset
-from hf_dflash.json_files import write_atomic, write_json_atomic
+from hf_dflash.folder_lock import folder_lock
+from hf_dflash.json_files import read_json_object, write_atomic, write_json_atomic
+from hf_dflash.output_paths import check_output_folder
+from hf_dflash.user_errors import run_reporting_errors
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,6 +50,8 @@ def choose_subset(
     and learning curve). Training: `count` of the others not in `exclude`, drawn with
     `random.Random(seed)`, in dataset order.
     """
+    if isinstance(eval_samples, bool) or not isinstance(eval_samples, int) or eval_samples < 0:
+        raise ValueError(f"--eval-samples {eval_samples}: must be a count >= 0 (the held-out chats of --eval-part).")
     held_out = [i for i, part in enumerate(parts) if part == eval_part][:eval_samples]
     if len(held_out) < eval_samples:
         raise ValueError(
@@ -91,12 +96,22 @@ def main(argv: list[str] | None = None) -> int:
         help="subset.json of an earlier subset: none of its training chats are drawn (repeatable)",
     )
     args = parser.parse_args(argv)
+    return run_reporting_errors("offline_subset.py", lambda: write_subset(args))
 
-    out = Path(args.out)
-    try:
-        excluded_ids = {path: read_train_ids(Path(path)) for path in args.exclude}
-    except ValueError as error:
-        sys.exit(f"offline_subset.py: error: {error}")
+
+def write_subset(args: argparse.Namespace) -> int:
+    """The script's work; a bad argument or file is a ValueError / OSError (`main` prints it, exit 2)."""
+    out = check_output_folder(args.out)
+    if args.eval_samples < 0:
+        raise ValueError(f"--eval-samples {args.eval_samples}: must be a count >= 0.")
+    if args.samples < 1:
+        raise ValueError(f"--samples {args.samples}: must be >= 1.")
+    excluded_ids = {path: read_train_ids(Path(path)) for path in args.exclude}
+    with folder_lock(out, "offline_subset.py"):  # the checks below and the writes: one writer at a time
+        return write_locked(args, out, excluded_ids)
+
+
+def write_locked(args: argparse.Namespace, out: Path, excluded_ids: dict[str, set[str]]) -> int:
     settings = {
         "data": str(args.data),
         "samples": args.samples,
@@ -108,24 +123,16 @@ def main(argv: list[str] | None = None) -> int:
         settings["exclude"] = [{"path": path, "train_ids": len(ids)} for path, ids in excluded_ids.items()]
     record_path = out / RECORD
     if record_path.is_file():
-        if json.loads(record_path.read_text())["settings"] == settings:
+        if read_json_object(record_path, "subset record").get("settings") == settings:
             print(f"{out} already holds this subset; leaving it alone.")
             return 0
-        sys.exit(f"offline_subset.py: error: {out} holds another subset ({record_path}); choose another --out.")
+        raise ValueError(f"{out} holds another subset ({record_path}); choose another --out.")
     if out.is_dir() and any(out.glob("tokenized-*.jsonl")):
-        sys.exit(
-            f"offline_subset.py: error: {out} holds tokenized files this script did not finish; choose another --out."
-        )
+        raise ValueError(f"{out} holds tokenized files this script did not finish; choose another --out.")
     dataset = PackedDataset(args.data)
-    try:
-        unwanted = set().union(*excluded_ids.values())
-        exclude = {i for i, sample in enumerate(dataset.samples) if sample["id"] in unwanted}
-        train, held_out = choose_subset(
-            dataset.parts, args.samples, args.seed, args.eval_part, args.eval_samples, exclude
-        )
-    except ValueError as error:
-        sys.exit(f"offline_subset.py: error: {error}")
-    out.mkdir(parents=True, exist_ok=True)
+    unwanted = set().union(*excluded_ids.values())
+    exclude = {i for i, sample in enumerate(dataset.samples) if sample["id"] in unwanted}
+    train, held_out = choose_subset(dataset.parts, args.samples, args.seed, args.eval_part, args.eval_samples, exclude)
     for start in range(0, len(train), SAMPLES_PER_FILE):
         chunk = [dataset[i] for i in train[start : start + SAMPLES_PER_FILE]]
         write_jsonl(out / f"tokenized-{start // SAMPLES_PER_FILE:05d}.jsonl", chunk)

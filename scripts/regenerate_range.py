@@ -17,17 +17,30 @@ data/README.md says which prompt ranges the parts hold.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 from hf_dflash.data.regenerate import DEFAULT_REGENERATION_BATCH, DEFAULT_REGENERATION_SHARD
+from hf_dflash.user_errors import run_reporting_errors
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPTS = REPO.parent / "shared" / "data" / "smollm2-regen-fp32-part0" / "corpus" / "prompts.jsonl"
 DATA = REPO / "data" / "smollm2-135m-instruct"
+
+
+def prompt_range(count: int, start: int, end: int | None) -> tuple[int, int]:
+    """[start, end) of a corpus of `count` prompts (end None: the corpus end). Python's slice rules would
+    read a negative start from the end and clamp an end past the corpus: both are errors here."""
+    if start < 0 or start >= count:
+        raise ValueError(f"--start {start}: must be a prompt index in [0, {count}) (the corpus holds {count} prompts).")
+    end = count if end is None else end
+    if not start < end <= count:
+        raise ValueError(
+            f"--end {end}: must be in ({start}, {count}] (one past the last prompt; the corpus holds {count})."
+        )
+    return start, end
 
 
 def regenerate(args: argparse.Namespace, work: Path) -> None:
@@ -37,10 +50,12 @@ def regenerate(args: argparse.Namespace, work: Path) -> None:
     from hf_dflash.json_files import read_jsonl
     from hf_dflash.models import load_target
 
+    if args.threads < 1:
+        raise ValueError(f"--threads {args.threads}: must be >= 1.")
+    corpus = list(read_jsonl(args.prompts))
+    start, end = prompt_range(len(corpus), args.start, args.end)
+    prompts = corpus[start:end]
     torch.set_num_threads(args.threads)
-    prompts = list(read_jsonl(args.prompts))[args.start : args.end]
-    if not prompts:
-        raise SystemExit(f"regenerate_range: error: no prompts in [{args.start}, {args.end}) of {args.prompts}")
     model, tokenizer = load_target(dtype=args.dtype)
     regenerate_responses(
         model, tokenizer, prompts, work / "responses", max_new_tokens=args.max_new_tokens,
@@ -48,10 +63,22 @@ def regenerate(args: argparse.Namespace, work: Path) -> None:
     )  # fmt: skip
 
 
-def pack(args: argparse.Namespace, work: Path) -> None:
+def pack(args: argparse.Namespace, work: Path) -> int:
+    """Tokenize the finished shards into WORK/tokenized (locked) and append them with `hf-dflash pack-data`
+    (which locks the data folder); returns pack-data's exit status."""
+    from hf_dflash.folder_lock import folder_lock
+
+    if not (work / "responses" / "config.json").is_file():
+        raise ValueError(f"{work / 'responses'} holds no regeneration of part {args.part}: run without --pack first.")
+    with folder_lock(work / "tokenized", "regenerate_range.py --pack"):
+        return tokenize_and_pack(args, work)
+
+
+def tokenize_and_pack(args: argparse.Namespace, work: Path) -> int:
     from transformers import AutoTokenizer
 
     from hf_dflash.data.tokenize import tokenize_responses
+    from hf_dflash.json_files import read_json_object
     from hf_dflash.models import default_cache_dir, load_target
 
     load_target()  # converts the target once if this machine has not yet (its tokenizer is needed)
@@ -60,22 +87,23 @@ def pack(args: argparse.Namespace, work: Path) -> None:
     corpus = work / "corpus-record"
     corpus.mkdir(exist_ok=True)
     (corpus / "config.json").write_text((Path(args.prompts).parent / "config.json").read_text())
-    dtype = json.loads((work / "responses" / "config.json").read_text())["dtype"].removeprefix("torch.")
+    dtype = read_json_object(work / "responses" / "config.json", "regeneration settings")["dtype"]
+    dtype = dtype.removeprefix("torch.")
     span = f"{args.start} to {args.end - 1}" if args.end is not None else f"{args.start} onwards"
     note = (
         f"corpus prompts {span} ({os.path.relpath(args.prompts, REPO.parent)}), regenerated greedily in {dtype} with "
         f"continuous batching ({args.batch_size} rows, shards of {args.shard_size}), {args.threads} torch thread(s) "
         f"per job, by scripts/regenerate_range.py; tokenized max_length 1024, block_size 8 (>= 16 supervised tokens)"
     )
-    subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "hf_dflash.cli", "pack-data", "--tokenized", str(work / "tokenized"), "--out", str(args.data),
          "--part", args.part, "--responses", str(work / "responses"), "--corpus", str(corpus),
          "--samples-per-shard", "1024", "--note", note],
-        check=True, cwd=REPO,
-    )  # fmt: skip
+        check=False, cwd=REPO,
+    ).returncode  # fmt: skip
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", required=True, help="the data part this range fills, e.g. regen-bf16-part5")
     parser.add_argument("--start", type=int, required=True, help="first corpus prompt (0-based)")
@@ -90,10 +118,10 @@ def main() -> None:
     parser.add_argument("--data", default=str(DATA), help="packed folder to append to (default: %(default)s)")
     parser.add_argument("--work", default=None, help="scratch folder (default: out/regen/PART)")
     parser.add_argument("--pack", action="store_true", help="tokenize the finished shards and pack them into data/")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     work = Path(args.work or REPO / "out" / "regen" / args.part)
-    (pack if args.pack else regenerate)(args, work)
+    return run_reporting_errors("regenerate_range.py", lambda: (pack if args.pack else regenerate)(args, work))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -240,7 +240,7 @@ def test_bad_inputs_are_named(folders, tmp_path, capsys):
         run_bench(str(target), str(drafter), sets=[], prompts=str(prompts), methods=["plain", "medusa"], out=tmp_path)
     with pytest.raises(ValueError, match="block size policy '99'"):
         run_bench(str(target), str(drafter), sets=[], prompts=str(prompts), block_size_policy="99", out=tmp_path)
-    assert main(["bench", "--target", "nope", "--drafter", "random", "--prompts", str(prompts)]) == 1
+    assert main(["bench", "--target", "nope", "--drafter", "random", "--prompts", str(prompts)]) == 2
     assert "Unknown target 'nope'" in capsys.readouterr().err
 
 

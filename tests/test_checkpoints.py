@@ -356,7 +356,7 @@ def test_convert_cli_both_directions(hub_dir, inputs, expected, tmp_path, capsys
 
 def test_cli_reports_errors_and_rejects_bad_format(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
-    assert main(["convert", str(tmp_path / "empty"), str(tmp_path / "out"), "--to", "hub"]) == 1
+    assert main(["convert", str(tmp_path / "empty"), str(tmp_path / "out"), "--to", "hub"]) == 2
     assert "config.json" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["convert", "a", "b", "--to", "gguf"])
@@ -495,6 +495,79 @@ def test_hub_config_without_the_dflash_ids_is_refused(hub_dir, tmp_path, field):
         AutoConfig.from_pretrained(folder)
     edit_config(folder, lambda c: c.update({field: None}))
     with pytest.raises(ValueError, match=field):
+        load_drafter(folder)
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("target_layer_ids", [1.7, 3], r"target_layer_ids item=1.7 must be an integer"),
+        ("target_layer_ids", "13", r"target_layer_ids='13' must be a list"),
+        ("target_layer_ids", [True, 3], r"target_layer_ids item=True must be an integer"),
+        ("mask_token_id", True, r"mask_token_id=True must be an integer"),
+        ("draft_vocab_size", True, r"draft_vocab_size=True must be an int"),
+        ("block_size", True, r"block_size must be an int >= 2"),
+    ],
+)
+def test_config_values_are_never_coerced(hub_dir, tmp_path, field, value, match):
+    """Issue 25: a float layer id was truncated, a string split into characters, `true` read as 1."""
+    folder = copy_of(hub_dir, tmp_path)
+    edit_config(folder, lambda c: c.update({field: value}))
+    with pytest.raises(ValueError, match=match):
+        load_drafter(folder)
+    with pytest.raises(ValueError, match=match):
+        DFlashConfig(**{**TINY, field: value})
+
+
+def test_missing_rope_settings_are_refused_in_every_format(model, hub_dir, official_dir, speculators_dir, tmp_path):
+    """Issue 25: without a RoPE base each format fell back to its own default (1e6 / 1e4), silently."""
+    hub = copy_of(hub_dir, tmp_path / "hub")
+    edit_config(hub, lambda c: c.pop("rope_parameters"))
+    with pytest.raises(ValueError, match=r"config.json has no rope_parameters \(nor rope_theta\)"):
+        load_drafter(hub)
+    edit_config(hub, lambda c: c.update(rope_theta=12345.0))  # the older key still says it
+    assert load_drafter(hub).config.rope_parameters["rope_theta"] == 12345.0
+
+    official = copy_of(official_dir, tmp_path / "official")
+    edit_config(official, lambda c: [c.pop(key, None) for key in ("rope_theta", "rope_parameters", "rope_scaling")])
+    with pytest.raises(ValueError, match=r"config.json: no rope_theta"):
+        load_drafter(official)
+
+    speculators = copy_of(speculators_dir, tmp_path / "speculators")
+    theta = model.config.rope_parameters["rope_theta"]
+
+    def to_top_level(config):
+        config["transformer_layer_config"].pop("rope_parameters")
+        config["rope_theta"] = theta
+
+    edit_config(speculators, to_top_level)  # a top-level rope_theta was ignored (default 1e4 used)
+    assert load_drafter(speculators, num_target_layers=6).config.rope_parameters["rope_theta"] == theta
+    edit_config(speculators, lambda c: c.pop("rope_theta"))
+    with pytest.raises(ValueError, match=r"no rope_theta"):
+        load_drafter(speculators, num_target_layers=6)
+    edit_config(speculators, lambda c: c.update(rope_theta=1.0) or c["transformer_layer_config"].update(rope_theta=2.0))
+    with pytest.raises(
+        ValueError, match=r"rope_theta 2.0 in transformer_layer_config disagrees with the top-level 1.0"
+    ):
+        load_drafter(speculators, num_target_layers=6)
+
+
+def test_a_speculators_config_without_vocab_size_says_so(speculators_dir, tmp_path):
+    folder = copy_of(speculators_dir, tmp_path)
+    edit_config(folder, lambda c: c["transformer_layer_config"].pop("vocab_size"))
+    with pytest.raises(ValueError, match=r"transformer_layer_config.vocab_size is missing"):
+        load_drafter(folder, num_target_layers=6)
+
+
+def test_draft_vocabulary_buffers_of_the_wrong_length_are_named(tmp_path):
+    """Issue 25: a Hub-format folder whose d2t/t2d disagree with its config got Transformers' raw
+    size-mismatch error."""
+    drafter = DFlashDraftModel(DFlashConfig(**{**TINY, "draft_vocab_size": 16})).eval()
+    drafter.set_draft_vocab(list(range(16)))
+    folder = save_hub(drafter, tmp_path / "drafter")
+    assert load_drafter(folder).config.draft_vocab_size == 16
+    edit_config(folder, lambda c: c.update(draft_vocab_size=8))
+    with pytest.raises(ValueError, match=r"model.safetensors: d2t has shape \[16\], but .*draft_vocab_size=8"):
         load_drafter(folder)
 
 
@@ -674,7 +747,7 @@ def test_convert_refuses_a_non_empty_destination(hub_dir, official_dir, tmp_path
     other = Path(shutil.copytree(official_dir, tmp_path / "other_drafter"))
     (other / "README.md").write_text("another drafter's card\n")
     before = {p.name: p.read_bytes() for p in other.iterdir()}
-    assert main(["convert", str(hub_dir), str(other), "--to", "official"]) == 1
+    assert main(["convert", str(hub_dir), str(other), "--to", "official"]) == 2
     err = capsys.readouterr().err
     assert "hf-dflash convert: error:" in err and "not empty" in err and "--overwrite" in err
     assert {p.name: p.read_bytes() for p in other.iterdir()} == before  # untouched

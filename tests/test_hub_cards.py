@@ -469,7 +469,7 @@ def test_cli_export_bf16(tmp_path, drafter_dir, inputs_dir, capsys):
                 str(inputs_dir / "bad.json"),
             ]
         )
-        == 1
+        == 2
     )
     assert "sets.gsm8k.tau" in capsys.readouterr().err
 
@@ -541,7 +541,7 @@ def test_a_failed_push_leaves_the_folder_unchanged(bare, tmp_path, fake_hub, mon
     monkeypatch.setattr(HfApi, "create_repo" if failing == "create_repo" else "create_commit", refuse)
     with pytest.raises(ValueError, match=r"refused.*401.*hf auth login"):
         push_folder(folder, REPO_ID, token="hf_bad")
-    assert main(["push", str(folder), "--repo-id", REPO_ID]) == 1
+    assert main(["push", str(folder), "--repo-id", REPO_ID]) == 2
     assert "hf-dflash push: error:" in capsys.readouterr().err
     assert folder_snapshot(folder) == before
     assert REPO_ID_PLACEHOLDER in (folder / "README.md").read_text()

@@ -2,7 +2,7 @@
 
 Layers, bottom to top (a module may import its own layer and any lower one):
 
-    0  utilities            json_files, packaged_files, dtypes, caches
+    0  utilities            json_files, packaged_files, dtypes, caches, folder_lock, user_errors, output_paths
     1  models               modeling_dflash, models (the target registry), target_features
     2  cards                hub_cards (model card, training record, benchmark JSON schemas)
     3  checkpoints          formats, loading, saving, converting, publishing
@@ -27,6 +27,9 @@ LAYERS = {
     "packaged_files": 0,
     "dtypes": 0,
     "caches": 0,
+    "folder_lock": 0,
+    "user_errors": 0,
+    "output_paths": 0,
     "modeling_dflash": 1,
     "models": 1,
     "target_features": 1,

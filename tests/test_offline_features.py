@@ -268,7 +268,7 @@ def test_cli_cache_features(target, data, tmp_path, monkeypatch, capsys):
     assert main([*args, "--target-layer-ids", "1,3", "--dtype", "float16", "--batch-size", "3"]) == 0
     index = json.loads((out / "index.json").read_text())
     assert index["target"]["name"] == "tiny" and index["target_layer_ids"] == [1, 3] and index["dtype"] == "float16"
-    assert main([*args, "--target-layer-ids", "1,9"]) == 1
+    assert main([*args, "--target-layer-ids", "1,9"]) == 2
     assert "target_layer_ids=[1, 9]" in capsys.readouterr().err
 
 

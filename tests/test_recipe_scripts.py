@@ -4,6 +4,7 @@ themselves are measured, not unit-tested)."""
 
 import importlib.util
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -177,10 +178,10 @@ def test_offline_subset_holds_out_the_fixed_chats_last_and_refuses_other_setting
     # The same settings again: left alone; other settings: refused, nothing overwritten.
     assert offline_subset.main(args) == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    with pytest.raises(SystemExit, match="another subset"):
-        offline_subset.main([*args[:-5], "3", *args[-4:]])
+    assert offline_subset.main([*args[:-5], "3", *args[-4:]]) == 2
+    assert "offline_subset.py: error:" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    with pytest.raises(SystemExit, match="fewer than --eval-samples"):
+    assert (
         offline_subset.main(
             [
                 "--data",
@@ -195,9 +196,22 @@ def test_offline_subset_holds_out_the_fixed_chats_last_and_refuses_other_setting
                 "9",
             ]
         )
+        == 2
+    )
+    assert "fewer than --eval-samples" in capsys.readouterr().err
+    # Issue 25 B6: a negative count held out all but the last chats of the part ([:-1]); now an error.
+    bad = ["--data", str(packed), "--out", str(tmp_path / "y"), "--samples", "4", "--eval-part", "held"]
+    for extra, fragment in [(["--eval-samples", "-1"], "--eval-samples -1"), (["--samples", "-3"], "--samples -3")]:
+        assert offline_subset.main([*bad, *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("offline_subset.py: error:") and fragment in err, err
+    assert not (tmp_path / "y").exists()
+    # an unreadable packed folder: named, exit 2, no traceback
+    assert offline_subset.main([*bad[:1], str(tmp_path / "nowhere"), *bad[2:]]) == 2
+    assert "nowhere" in capsys.readouterr().err
 
 
-def test_offline_subset_excludes_the_chats_of_earlier_subsets(tmp_path):
+def test_offline_subset_excludes_the_chats_of_earlier_subsets(tmp_path, capsys):
     """`--exclude subset.json` (repeatable) draws only chats those subsets did not: a drafter trained
     further on an earlier one's weights then sees chats it has not seen."""
     from hf_dflash.data.packed import pack_tokenized
@@ -232,7 +246,7 @@ def test_offline_subset_excludes_the_chats_of_earlier_subsets(tmp_path):
     assert not set(second["train_ids"]) & set(first["train_ids"])
     assert second["settings"]["exclude"] == [{"path": str(tmp_path / "first" / "subset.json"), "train_ids": 3}]
     # 9 chats outside the held-out 2, 3 excluded: 6 left, and asking for more names what is left.
-    with pytest.raises(SystemExit, match="the 6 training samples"):
+    assert (
         offline_subset.main(
             [
                 *common,
@@ -244,7 +258,40 @@ def test_offline_subset_excludes_the_chats_of_earlier_subsets(tmp_path):
                 str(tmp_path / "first" / "subset.json"),
             ]
         )
-    with pytest.raises(SystemExit, match="--exclude .*missing.json"):
-        offline_subset.main(
-            [*common, "--out", str(tmp_path / "fourth"), "--samples", "2", "--exclude", str(tmp_path / "missing.json")]
-        )
+        == 2
+    )
+    assert "the 6 training samples" in capsys.readouterr().err
+    argv = [*common, "--out", str(tmp_path / "fourth"), "--samples", "2", "--exclude", str(tmp_path / "missing.json")]
+    assert offline_subset.main(argv) == 2
+    assert re.search("--exclude .*missing.json", capsys.readouterr().err)
+
+
+regenerate_range = load_module("scripts/regenerate_range.py")
+
+
+def test_regenerate_range_refuses_a_negative_or_out_of_range_span(tmp_path, monkeypatch, capsys):
+    """Issue 25 B6: `--start -2` regenerated the last two prompts (a Python slice) and an `--end` past the
+    corpus was clamped; both are errors, found before the target loads."""
+    import hf_dflash.models
+
+    assert regenerate_range.prompt_range(10, 0, None) == (0, 10)
+    assert regenerate_range.prompt_range(10, 3, 7) == (3, 7)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "messages": []}) + "\n" for i in range(10)))
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before the range was checked")
+
+    monkeypatch.setattr(hf_dflash.models, "load_target", no_target)
+    common = ["--part", "p", "--prompts", str(prompts), "--work", str(tmp_path / "work")]
+    for span, fragment in [
+        (["--start", "-2"], "--start -2: must be a prompt index in [0, 10)"),
+        (["--start", "10"], "--start 10"),
+        (["--start", "3", "--end", "11"], "--end 11: must be in (3, 10]"),
+        (["--start", "3", "--end", "3"], "--end 3"),
+        (["--start", "3", "--end", "-1"], "--end -1"),
+    ]:
+        assert regenerate_range.main([*common, *span]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("regenerate_range.py: error:") and fragment in err, err
+    assert not (tmp_path / "work").exists()

@@ -15,6 +15,8 @@ from hf_dflash.trainer.train import load_train_config, train_from_config
 from tests.conftest import make_target
 from tests.test_trainer import samples
 
+SHIPPED = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct-dflash"
+
 
 def write_tokenized(folder, rows):
     folder.mkdir(parents=True, exist_ok=True)
@@ -191,7 +193,7 @@ def test_all_problems_are_reported_at_once_and_the_cli_prints_no_traceback(run_c
         load_train_config(path)
     lines = [line for line in str(error.value).splitlines() if line.startswith("  - ")]
     assert len(lines) == 3, error.value
-    assert main(["train", "--config", str(path)]) == 1
+    assert main(["train", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hf-dflash train: error:") and "Traceback" not in err and "drafter.num_layers" in err
 
@@ -292,3 +294,91 @@ def test_evaluation_logs_the_served_tau_estimate_beside_the_uniform_one(run_conf
 def test_committed_training_configs_are_valid(path):
     config = load_train_config(path)  # every key and type checked (config_schema)
     assert config["training"]["output_dir"].startswith("out/")  # runs write to the ignored out/ folder
+
+
+def test_training_refuses_an_output_dir_it_did_not_make(run_config, tmp_path):
+    """Issue 25 B2: a copy of a shipped drafter folder as output_dir was overwritten (weights, config, card,
+    record) and kept its benchmark.json beside the new weights; now refused before anything loads."""
+    import shutil
+
+    config = load_train_config(run_config)
+    copy = tmp_path / "copy-of-shipped"
+    shutil.copytree(SHIPPED, copy, ignore=shutil.ignore_patterns("model.safetensors"))
+    (copy / "model.safetensors").write_bytes(b"the shipped weights")
+    before = {path.name: path.read_bytes() for path in copy.iterdir()}
+    config["training"]["output_dir"] = str(copy)
+    with pytest.raises(ValueError, match=r"was not made by hf-dflash train \(it holds README.md, benchmark.json"):
+        train_from_config(config)
+    assert {path.name: path.read_bytes() for path in copy.iterdir()} == before
+
+
+def test_training_locks_its_output_dir_and_marks_it_as_its_own(run_config, tmp_path):
+    from hf_dflash.folder_lock import FolderLockedError, folder_lock
+
+    config = load_train_config(run_config)
+    config["training"].update(max_steps=1, eval_strategy="no", save_strategy="no")
+    out = Path(config["training"]["output_dir"])
+    with folder_lock(out):  # another run is training into it
+        with pytest.raises(FolderLockedError, match="another process is writing to"):
+            train_from_config(config)
+    train_from_config(config)
+    assert json.loads((out / "training_started.json").read_text())["made_by"] == "hf-dflash train"
+    assert not (out / ".hf-dflash.lock").exists()
+    config["training"]["max_steps"] = 2  # its own folder: continued, not refused
+    assert train_from_config(config).state.global_step == 2
+
+
+def test_a_corrupt_checkpoint_is_skipped_or_named_never_a_traceback(run_config, capsys):
+    """Issue 25: a truncated model.safetensors and a pickle torch.load refuses in rng_state.pth reached users as
+    SafetensorError / UnpicklingError tracebacks."""
+    import pickle
+
+    config = load_train_config(run_config)
+    config["training"]["eval_strategy"] = "no"
+    train_from_config(config)
+    output = Path(config["training"]["output_dir"])
+    config["training"]["max_steps"] = 6
+    weights = output / "checkpoint-4" / "model.safetensors"
+    intact = weights.read_bytes()
+    weights.write_bytes(intact[:100])  # truncated: skipped like an interrupted save
+    capsys.readouterr()
+    assert train_from_config(config).state.global_step == 6
+    out = capsys.readouterr().out
+    assert "checkpoint-4 (unreadable model.safetensors" in out and "resuming from checkpoint-2" in out
+
+    config["training"]["max_steps"] = 8
+    (output / "checkpoint-6" / "rng_state.pth").write_bytes(pickle.dumps(Path("x")))  # a global torch refuses
+    with pytest.raises(ValueError, match=r"Cannot resume from .*checkpoint-6: .*UnpicklingError.*Delete"):
+        train_from_config(config)
+
+
+@pytest.mark.parametrize(
+    "section, values, problem",
+    [
+        ("training", {"max_steps": 0}, "training.max_steps: must be >= 1 (or -1), got 0"),
+        ("data", {"eval_samples": -3}, "data.eval_samples: must be >= 0, got -3"),
+        ("drafter", {"target_layer_ids": [5, 5]}, "drafter.target_layer_ids: expected distinct 0-based layer ids"),
+        ("drafter", {"target_layer_ids": [1.5, 2]}, "drafter.target_layer_ids: expected list[int] or null"),
+        ("drafter", {"mask_token_id": True}, "drafter.mask_token_id: expected int or null, got bool True"),
+        ("drafter", {"draft_vocab_size": True}, "drafter.draft_vocab_size: expected int or null, got bool True"),
+        ("data", {"eval_part": ""}, "data.eval_part: an empty name"),
+    ],
+)
+def test_config_values_out_of_range_are_named_not_coerced(run_config, section, values, problem):
+    """Issue 25: max_steps 0 trained one step, eval_samples -3 silently disabled held-out evaluation,
+    duplicate layer ids and `true` ids were accepted."""
+    from hf_dflash.trainer.config_schema import validate_train_config
+
+    config = load_train_config(run_config)
+    config[section] = {**(config.get(section) or {}), **values}
+    with pytest.raises(ValueError) as caught:
+        validate_train_config(config)
+    assert problem in str(caught.value), str(caught.value)
+
+
+def test_duplicate_layer_ids_on_the_command_line_are_refused(capsys):
+    from hf_dflash.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["cache-features", "--data", "d", "--out", "o", "--target-layer-ids", "5,5"])
+    assert stop.value.code == 2 and "distinct 0-based layer ids" in capsys.readouterr().err

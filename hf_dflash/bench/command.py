@@ -10,6 +10,7 @@ import torch
 
 from ..dtypes import describe_dtype
 from ..generation.adaptive import parse_block_size_policy
+from ..output_paths import check_output_folder
 from .loading import load_bench_models, load_bench_target, machine_description
 from .methods import METHODS, PROMPT_LOOKUP_NUM_TOKENS, check_methods
 from .plots import write_plots
@@ -76,6 +77,9 @@ def run_bench(
     if block_size_policy != "recommended":
         options["block_size_policy"] = block_size_policy  # the default stays out of the command line
     check_methods(methods)
+    check_output_folder(out)  # before the benchmark, not after it (its results were lost to a FileExistsError)
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.")
     prompt_sets, pool_sizes = select_prompt_sets(sets, prompts, num_prompts, seed)
     prompts_run = {name: [len(records), pool_sizes[name]] for name, records in prompt_sets.items()}
     models = load_bench_models(target, drafter, dtype=dtype, device=device, seed=seed)

@@ -18,11 +18,12 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from ..modeling_dflash import DFlashConfig, DFlashDraftModel
 from ..modeling_dflash.configuration_dflash import check_checkpoint_fields, dflash_kwargs_from_official
 from .building import build_drafter
-from .files import CONFIG_NAME, check_weight_files, read_config, resolve_folder
+from .files import CONFIG_NAME, check_weight_files, read_config, resolve_folder, weight_files
 from .official import load_official
 from .speculators import (
     SPECULATORS_TYPE_FIELD,
@@ -56,6 +57,27 @@ def detect_format(path: str | os.PathLike) -> str:
     )
 
 
+def check_draft_vocab_shapes(folder: Path, config: dict) -> None:
+    """The draft vocabulary buffers of a Hub-format folder have the lengths its config states (d2t:
+    draft_vocab_size, t2d: vocab_size); otherwise a ValueError naming the file, the buffer and both
+    lengths (Transformers would raise its raw size-mismatch error)."""
+    draft_vocab_size = config.get("draft_vocab_size")
+    if draft_vocab_size is None:
+        return
+    expected = {"d2t": ("draft_vocab_size", draft_vocab_size), "t2d": ("vocab_size", config.get("vocab_size"))}
+    for file in weight_files(folder):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in sorted(set(handle.keys()) & set(expected)):
+                shape = list(handle.get_slice(key).get_shape())
+                field, size = expected[key]
+                if shape != [size]:
+                    raise ValueError(
+                        f"{file}: {key} has shape {shape}, but {folder / CONFIG_NAME} says {field}={size} "
+                        f"(d2t holds one entry per draft id, t2d one per target id); the weights and the config "
+                        "come from different drafters."
+                    )
+
+
 def load_drafter(path: str | os.PathLike, num_target_layers: int | None = None, **kwargs) -> DFlashDraftModel:
     """Load a DFlash drafter from a folder (or Hub repo id): Hub-native, official, or vLLM speculators.
 
@@ -68,7 +90,9 @@ def load_drafter(path: str | os.PathLike, num_target_layers: int | None = None, 
     kind = detect_format(folder)
     check_weight_files(folder)
     if kind == "hub":
-        check_checkpoint_fields(read_config(folder), str(folder / CONFIG_NAME))
+        config = read_config(folder)
+        check_checkpoint_fields(config, str(folder / CONFIG_NAME))
+        check_draft_vocab_shapes(folder, config)
         return DFlashDraftModel.from_pretrained(str(folder), **kwargs)
     kwargs.pop("revision", None)
     kwargs.pop("token", None)

@@ -72,7 +72,12 @@ def dflash_kwargs_from_speculators(config: dict, source: str, num_target_layers:
     layers = config.get("transformer_layer_config")
     if not isinstance(layers, dict):
         raise ValueError(f"{source}: transformer_layer_config (the draft decoder) is missing or not an object.")
-    vocab_size = layers.get("vocab_size")
+    vocab_size = layers.get("vocab_size", config.get("vocab_size"))
+    if vocab_size is None:
+        raise ValueError(
+            f"{source}: transformer_layer_config.vocab_size is missing: it is the target's vocabulary size "
+            "(its embedding rows); add it."
+        )
     draft_vocab = config.get("draft_vocab_size", vocab_size)
     if draft_vocab != vocab_size:
         raise ValueError(
@@ -104,7 +109,8 @@ def dflash_kwargs_from_speculators(config: dict, source: str, num_target_layers:
         if config.get(field) is not None:
             kwargs[field] = config[field]
     kwargs.update(
-        rope_parameters=rope_parameters_from_config(layers),
+        # the draft decoder's RoPE; some exports keep rope_theta top-level instead
+        rope_parameters=speculators_rope(config, layers, source),
         block_size=config.get("block_size"),
         mask_token_id=config["mask_token_id"],
         target_layer_ids=[i - 1 for i in aux],
@@ -117,6 +123,21 @@ def dflash_kwargs_from_speculators(config: dict, source: str, num_target_layers:
     if kwargs["block_size"] is None:
         raise ValueError(f"{source}: block_size is missing.")
     return kwargs
+
+
+def speculators_rope(config: dict, layers: dict, source: str) -> dict:
+    """The drafter's RoPE settings from `transformer_layer_config`, else from the top level (where some
+    exports keep `rope_theta`); both given and different, or neither: a ValueError."""
+    inner = layers.get("rope_parameters") is not None or layers.get("rope_theta") is not None
+    outer = config.get("rope_parameters") is not None or config.get("rope_theta") is not None
+    if inner and outer:
+        mine, top = rope_parameters_from_config(layers, source), rope_parameters_from_config(config, source)
+        if mine["rope_theta"] != top["rope_theta"]:
+            raise ValueError(
+                f"{source}: rope_theta {mine['rope_theta']} in transformer_layer_config disagrees with the top-level "
+                f"{top['rope_theta']}; keep the one the drafter was trained with."
+            )
+    return rope_parameters_from_config(layers if inner or not outer else config, source)
 
 
 def without_verifier_copies(state_dict: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:

@@ -30,7 +30,9 @@ from safetensors import safe_open
 from safetensors.torch import save
 from torch.utils.data import Dataset
 
-from ..json_files import read_jsonl, write_atomic
+from ..folder_lock import folder_lock
+from ..json_files import write_atomic
+from ..output_paths import check_output_folder
 from ..packaged_files import file_sha256
 from .tokenize import chat_template_sha256
 
@@ -64,22 +66,101 @@ def read_manifest(folder: str | Path) -> dict:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(f"{path} is missing: not a packed data folder (see hf_dflash.data.packed).") from None
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is corrupt JSON ({error.msg}).") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is corrupt JSON ({error}); restore it (e.g. git checkout).") from None
     if not isinstance(manifest, dict) or manifest.get("format") != PACKED_FORMAT:
-        raise ValueError(f"{path} is not a {PACKED_FORMAT} manifest (format {manifest.get('format')!r}).")
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise ValueError(f"{path} is not a {PACKED_FORMAT} manifest (format {found!r}).")
+    for key, kind in (("tokenizer", dict), ("parts", dict), ("shards", list)):
+        if not isinstance(manifest.get(key), kind):
+            raise ValueError(
+                f"{path} is corrupt: '{key}' must be a JSON {'object' if kind is dict else 'list'}, got "
+                f"{manifest.get(key)!r:.60}; restore it (e.g. git checkout)."
+            )
+    for index, shard in enumerate(manifest["shards"]):
+        missing = [key for key in SHARD_KEYS if not isinstance(shard, dict) or key not in shard]
+        if missing:
+            raise ValueError(f"{path} is corrupt: shard entry {index} lacks {missing}; restore it (e.g. git checkout).")
     return manifest
 
 
+SHARD_KEYS = ("file", "part", "tokenized", "samples", "tokens", "supervised_tokens", "per_source", "sha256")
+SAMPLE_KEYS = ("id", "input_ids", "loss_mask")
+
+
+def ids_dtype(vocab_size: int) -> torch.dtype:
+    """The storage dtype of token ids: uint16 when every id of the vocabulary fits, else int32."""
+    return torch.uint16 if vocab_size <= 1 << 16 else torch.int32
+
+
+def sample_problem(sample, vocab_size: int) -> str | None:
+    """Why `sample` cannot be packed (None when it can): the field and the value that are wrong.
+
+    A sample is `{"id": non-empty str, "input_ids": [int, ...], "loss_mask": [0|1, ...]}` with ids in
+    `[0, vocab_size)` (so within the storage dtype) and one mask value per id.
+    """
+    if not isinstance(sample, dict):
+        return f"expected a JSON object with {', '.join(SAMPLE_KEYS)}, got {type(sample).__name__}"
+    missing = [key for key in SAMPLE_KEYS if key not in sample]
+    if missing:
+        return f"missing field(s) {', '.join(missing)} (a sample holds {', '.join(SAMPLE_KEYS)})"
+    if not isinstance(sample["id"], str) or not sample["id"]:
+        return f"field id: expected a non-empty string, got {sample['id']!r}"
+    ids, mask = sample["input_ids"], sample["loss_mask"]
+    for name, values in (("input_ids", ids), ("loss_mask", mask)):
+        if not isinstance(values, list) or not values:
+            return f"field {name}: expected a non-empty list of integers, got {values!r:.60}"
+        for position, value in enumerate(values):
+            if not isinstance(value, int) or isinstance(value, bool):
+                return f"field {name}[{position}]: expected an integer, got {value!r}"
+    if len(ids) != len(mask):
+        return f"field loss_mask has {len(mask)} values for {len(ids)} input_ids: one per token"
+    for position, value in enumerate(ids):
+        if not 0 <= value < vocab_size:
+            return (
+                f"field input_ids[{position}] = {value} is outside the tokenizer's vocabulary [0, {vocab_size}) "
+                f"(stored as {str(ids_dtype(vocab_size)).removeprefix('torch.')}): tokenised with another tokenizer?"
+            )
+    for position, value in enumerate(mask):
+        if value not in (0, 1):
+            return f"field loss_mask[{position}] = {value}: mask values are 0 or 1"
+    return None
+
+
 def encode_shard(samples: list[dict], vocab_size: int) -> bytes:
-    """The safetensors bytes of one shard of `{"id", "input_ids", "loss_mask"}` samples."""
-    ids_dtype = torch.uint16 if vocab_size <= 1 << 16 else torch.int32
+    """The safetensors bytes of one shard of `{"id", "input_ids", "loss_mask"}` samples (`sample_problem`
+    must have found none: an id outside the storage dtype would wrap)."""
     lengths = torch.tensor([len(sample["input_ids"]) for sample in samples], dtype=torch.long)
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     input_ids = torch.tensor([t for sample in samples for t in sample["input_ids"]], dtype=torch.int32)
     loss_mask = torch.tensor([m for sample in samples for m in sample["loss_mask"]], dtype=torch.uint8)
-    tensors = {"input_ids": input_ids.to(ids_dtype), "loss_mask": loss_mask, "offsets": offsets}
+    tensors = {"input_ids": input_ids.to(ids_dtype(vocab_size)), "loss_mask": loss_mask, "offsets": offsets}
     return save(tensors, metadata={"ids": json.dumps([sample["id"] for sample in samples])})
+
+
+def read_tokenized_file(path: Path, vocab_size: int) -> list[dict]:
+    """The samples of one `tokenized-*.jsonl` file, each checked (`sample_problem`); a ValueError names the
+    file, the line, the sample and the field of the first bad one."""
+    samples = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                sample = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not valid JSON ({error}).") from None
+            if (problem := sample_problem(sample, vocab_size)) is not None:
+                name = f" sample {sample['id']!r}" if isinstance(sample, dict) and "id" in sample else ""
+                raise ValueError(f"{path}:{number}{name}: {problem}. Nothing was packed; fix or re-tokenise it.")
+            samples.append(sample)
+    return samples
+
+
+def check_part_name(part) -> None:
+    """A part name is a non-empty string without surrounding spaces (ValueError otherwise)."""
+    if not isinstance(part, str) or not part.strip() or part != part.strip():
+        raise ValueError(f"part {part!r}: name the regeneration run, e.g. 'regen-bf16-1' (no surrounding spaces).")
 
 
 def pack_tokenized(
@@ -93,17 +174,32 @@ def pack_tokenized(
 ) -> dict:
     """Append the `tokenized-*.jsonl` shards of `tokenized_dir` not packed yet as part `part`; returns the manifest.
 
+    The folder is locked for the whole call (a second writer is refused: `folder_lock`); its existing
+    shards are checked against their sha256 and every new sample is checked (`sample_problem`) before
+    anything is written.
+
     Args:
         part: name of this regeneration run (e.g. "regen-bf16-1"); its `settings` (generation dtype,
             max_new_tokens, corpus, ...) are recorded once and must not change on later calls.
         samples_per_shard: samples per packed shard (the last one of a call may hold fewer).
 
     Raises:
-        ValueError: another tokenizer than the folder's, changed settings for an existing part, or a sample
-            id packed already (from another tokenised shard or part).
+        ValueError: another tokenizer than the folder's, changed settings for an existing part, a sample
+            id packed already (from another tokenised shard or part), a bad sample, a corrupt existing
+            shard, or another process writing to the folder.
     """
     tokenized_dir, out = Path(tokenized_dir), Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    check_part_name(part)
+    if not isinstance(samples_per_shard, int) or isinstance(samples_per_shard, bool) or samples_per_shard < 1:
+        raise ValueError(f"samples_per_shard must be an integer >= 1, got {samples_per_shard!r}.")
+    if not tokenized_dir.is_dir():
+        raise ValueError(f"{tokenized_dir} is not a folder of tokenized-*.jsonl files (prepare-data's tokenized/).")
+    check_output_folder(out)
+    with folder_lock(out, "pack-data"):
+        return _pack_locked(tokenized_dir, out, part, settings, tokenizer, samples_per_shard)
+
+
+def _pack_locked(tokenized_dir: Path, out: Path, part: str, settings: dict, tokenizer, samples_per_shard: int):
     tok = tokenizer_record(tokenizer)
     if is_packed(out):
         manifest = read_manifest(out)
@@ -116,11 +212,24 @@ def pack_tokenized(
         raise ValueError(
             f"Part {part!r} of {out} was packed with other settings ({recorded['settings']}); name a new part."
         )
-    manifest["parts"].setdefault(part, {"settings": settings})
+    seen = set()
+    for shard in manifest["shards"]:  # appending to a corrupt folder would hide the damage under new shards
+        seen.update(sample["id"] for sample in PackedDataset.read_shard(out / shard["file"], shard["sha256"]))
     done = {(shard["part"], name) for shard in manifest["shards"] for name in shard["tokenized"]}
-    seen = {sample_id for sample_id in PackedDataset.ids_of(out, manifest)} if manifest["shards"] else set()
     pending = [path for path in sorted(tokenized_dir.glob("tokenized-*.jsonl")) if (part, path.name) not in done]
 
+    files = []  # (name, samples) of every pending file, all checked before the first write
+    for path in pending:
+        samples = read_tokenized_file(path, tok["vocab_size"])
+        for sample in samples:
+            if sample["id"] in seen:
+                raise ValueError(
+                    f"{path}: sample {sample['id']!r} is packed already in {out}; drop it or use another folder."
+                )
+            seen.add(sample["id"])
+        files.append((path.name, samples))
+
+    manifest["parts"].setdefault(part, {"settings": settings})
     batch, names = [], []
 
     def flush() -> None:
@@ -148,15 +257,9 @@ def pack_tokenized(
         batch.clear()
         names.clear()
 
-    for path in pending:
-        for sample in read_jsonl(path):
-            if sample["id"] in seen:
-                raise ValueError(
-                    f"{path}: sample {sample['id']!r} is packed already in {out}; drop it or use another folder."
-                )
-            seen.add(sample["id"])
-            batch.append(sample)
-        names.append(path.name)
+    for name, samples in files:
+        batch.extend(samples)
+        names.append(name)
         if len(batch) >= samples_per_shard:
             flush()
     flush()
@@ -221,14 +324,6 @@ class PackedDataset(Dataset):
             {"id": sample_id, "input_ids": input_ids[start:end], "loss_mask": loss_mask[start:end]}
             for sample_id, start, end in zip(ids, offsets[:-1], offsets[1:])
         ]
-
-    @staticmethod
-    def ids_of(folder: Path, manifest: dict) -> list[str]:
-        found = []
-        for shard in manifest["shards"]:
-            with safe_open(str(folder / shard["file"]), framework="pt") as handle:
-                found += json.loads(handle.metadata()["ids"])
-        return found
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ..folder_lock import folder_lock
 from .continuous import continuous_batching_supported, continuous_greedy_replies
 from .shards import check_stage_config, shard_name, write_jsonl_atomic
 
@@ -191,7 +192,8 @@ def regenerate_responses(
         max_prompt_tokens: longer rendered prompts are skipped (recorded with the reason).
 
     Raises:
-        ValueError: a bad setting, or `out_dir` holds shards made with other settings or prompts.
+        ValueError: a bad setting, or `out_dir` holds shards made with other settings or prompts, or
+            another process is writing to it (`folder_lock`).
     """
     for name, value in (
         ("max_new_tokens", max_new_tokens),
@@ -205,41 +207,45 @@ def regenerate_responses(
         raise ValueError(f"temperature must be >= 0, got {temperature}.")
     out_dir = Path(out_dir)
     fingerprint = hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()
-    check_stage_config(
-        out_dir,
-        {
-            "target": Path(model.config.name_or_path).name,  # the folder name: same target, any cache location
-            "dtype": str(model.dtype),
-            "prompts_sha256": fingerprint,
-            "num_prompts": len(prompts),
-            "temperature": temperature,
-            "max_new_tokens": max_new_tokens,
-            "batch_size": batch_size,
-            "shard_size": shard_size,
-            "max_prompt_tokens": max_prompt_tokens,
-            "seed": seed,
-        },
-    )
-    shards = [prompts[start : start + shard_size] for start in range(0, len(prompts), shard_size)]
-    paths = [out_dir / shard_name(SHARD_PREFIX, index) for index in range(len(shards))]
-    done = sum(
-        len(user_turns(prompt["messages"])) for shard, path in zip(shards, paths) if path.exists() for prompt in shard
-    )
-    total = sum(len(user_turns(prompt["messages"])) for prompt in prompts)
-    with tqdm(total=total, initial=done, desc="regenerate", unit="reply", disable=not progress) as bar:
-        for index, (shard, path) in enumerate(zip(shards, paths)):
-            if path.exists():
-                continue
-            torch.manual_seed(shard_seed(seed, index))
-            rows = regenerate_shard(
-                model,
-                tokenizer,
-                shard,
-                temperature=temperature,
-                max_new_tokens=max_new_tokens,
-                batch_size=batch_size,
-                max_prompt_tokens=max_prompt_tokens,
-                on_replies=bar.update,
-            )
-            write_jsonl_atomic(path, rows)
+    with folder_lock(out_dir, "regeneration"):  # one writer per responses folder
+        check_stage_config(
+            out_dir,
+            {
+                "target": Path(model.config.name_or_path).name,  # the folder name: same target, any cache location
+                "dtype": str(model.dtype),
+                "prompts_sha256": fingerprint,
+                "num_prompts": len(prompts),
+                "temperature": temperature,
+                "max_new_tokens": max_new_tokens,
+                "batch_size": batch_size,
+                "shard_size": shard_size,
+                "max_prompt_tokens": max_prompt_tokens,
+                "seed": seed,
+            },
+        )
+        shards = [prompts[start : start + shard_size] for start in range(0, len(prompts), shard_size)]
+        paths = [out_dir / shard_name(SHARD_PREFIX, index) for index in range(len(shards))]
+        done = sum(
+            len(user_turns(prompt["messages"]))
+            for shard, path in zip(shards, paths)
+            if path.exists()
+            for prompt in shard
+        )
+        total = sum(len(user_turns(prompt["messages"])) for prompt in prompts)
+        with tqdm(total=total, initial=done, desc="regenerate", unit="reply", disable=not progress) as bar:
+            for index, (shard, path) in enumerate(zip(shards, paths)):
+                if path.exists():
+                    continue
+                torch.manual_seed(shard_seed(seed, index))
+                rows = regenerate_shard(
+                    model,
+                    tokenizer,
+                    shard,
+                    temperature=temperature,
+                    max_new_tokens=max_new_tokens,
+                    batch_size=batch_size,
+                    max_prompt_tokens=max_prompt_tokens,
+                    on_replies=bar.update,
+                )
+                write_jsonl_atomic(path, rows)
     return paths

@@ -49,12 +49,22 @@ def check_dflash_generation_options(generation_mode, generation_config) -> None:
       prompt lookup and never call the drafter (our loop, the default, drafts with both: hybrid drafting).
     - a decoding mode other than greedy / sampling (beam search, contrastive search, DoLa, ...):
       Transformers only warns and decodes without the drafter.
+    - `guidance_scale` other than 1 (classifier-free guidance): its logits processor pairs every row with
+      an unconditional row of one token per step, which a verified block does not have (Transformers
+      dies inside it with a tensor-size error).
     """
     if generation_config.prompt_lookup_num_tokens is not None and generation_config.speculation_type == "dflash":
         raise ValueError(
             f"prompt_lookup_num_tokens={generation_config.prompt_lookup_num_tokens} with speculation_type='dflash': "
             "Transformers' built-in loop would run prompt lookup and never use the DFlash drafter. Drop "
             "speculation_type to let hf_dflash verify the DFlash block and the n-gram drafts together (hybrid)."
+        )
+    guidance = generation_config.guidance_scale
+    if guidance is not None and guidance != 1:
+        raise ValueError(
+            f"guidance_scale={guidance} (classifier-free guidance) cannot use a DFlash assistant_model: the guidance "
+            "processor scores one token per step against an unconditional pass, and a speculative round verifies "
+            "a block. Drop guidance_scale (or set it to 1), or decode without the assistant."
         )
     if generation_mode not in (GenerationMode.ASSISTED_GENERATION, GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         options = _MODE_OPTIONS.get(generation_mode, str(generation_mode)).format(num_beams=generation_config.num_beams)

@@ -177,6 +177,41 @@ def _lora_fields() -> dict:
     return _dataclass_fields(LoraConfig)
 
 
+# Values a type check lets through that would run silently wrong: (section, key, lowest value, also allowed).
+RANGES = (
+    ("data", "eval_samples", 0, None),  # a negative count silently disabled held-out evaluation
+    ("data", "max_train_samples", 1, None),
+    ("training", "max_steps", 1, -1),  # -1: train num_train_epochs; 0 trained one step
+    ("training", "block_size", 2, None),
+    ("training", "num_anchors", 1, None),
+    ("training", "per_device_train_batch_size", 1, None),
+    ("training", "gradient_accumulation_steps", 1, None),
+    ("drafter", "num_hidden_layers", 1, None),
+    ("drafter", "num_target_features", 1, None),
+    ("drafter", "block_size", 2, None),
+    ("drafter", "mask_token_id", 0, None),
+    ("drafter", "draft_vocab_size", 1, None),
+)
+
+
+def _check_ranges(checked: dict, problems: list[str]) -> None:
+    """Numbers of the right type but out of range, and duplicate or negative layer ids."""
+    for section, key, lowest, allowed in RANGES:
+        value = (checked.get(section) or {}).get(key) if isinstance(checked.get(section), dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value < lowest and value != allowed:
+            also = f" (or {allowed})" if allowed is not None else ""
+            problems.append(f"{section}.{key}: must be >= {lowest}{also}, got {value}")
+    drafter = checked.get("drafter") if isinstance(checked.get("drafter"), dict) else {}
+    for key in ("target_layer_ids", "init_from_target"):
+        ids = drafter.get(key)
+        if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
+            if len(set(ids)) != len(ids) or any(i < 0 for i in ids):
+                problems.append(f"drafter.{key}: expected distinct 0-based layer ids, got {ids}")
+    part = (checked.get("data") or {}).get("eval_part") if isinstance(checked.get("data"), dict) else None
+    if isinstance(part, str) and not part.strip():
+        problems.append("data.eval_part: an empty name; give the part to hold out, or null")
+
+
 def validate_train_config(config, source: str = "config") -> dict:
     """The training config with YAML exponent floats converted; raises one `ValueError` that lists
     every problem (`section.key: problem (expected type)`), one per line."""
@@ -223,6 +258,7 @@ def validate_train_config(config, source: str = "config") -> dict:
         if training.get("feature_mode") == "offline" and isinstance(config.get("data"), dict):
             if not config["data"].get("features"):
                 problems.append("data.features: missing (expected str): training.feature_mode is offline")
+    _check_ranges(checked, problems)
     if problems:
         listing = "\n".join(f"  - {problem}" for problem in problems)
         raise ValueError(f"{source}: {len(problems)} problem(s) in the training config:\n{listing}")

@@ -27,10 +27,12 @@ alone (`finished_run.json`). The final drafter (LoRA merged) is saved Hub-native
 """
 
 import json
+import pickle
 import re
 from pathlib import Path
 
 import yaml
+from safetensors import SafetensorError, safe_open
 from torch.utils.data import Subset
 from transformers import set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -38,6 +40,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ..checkpoints import load_drafter
 from ..data.packed import PackedDataset, is_packed, source_of
 from ..data.tokenized import TokenizedDataset
+from ..folder_lock import LOCK_NAME, folder_lock
 from ..hub_cards import TrainingRecordCallback, record_data_from_prepare_data
 from ..json_files import write_json_atomic
 from ..modeling_dflash import DFlashConfig, DFlashDraftModel
@@ -49,6 +52,7 @@ from .initialization import init_from_target
 from .trainer import DFlashTrainer
 
 FINISHED_RUN_NAME = "finished_run.json"
+STARTED_RUN_NAME = "training_started.json"  # written first into output_dir: the folder is a training's own
 TRAINER_STATE_NAME = "trainer_state.json"
 WEIGHT_NAMES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
@@ -67,8 +71,16 @@ def checkpoint_problem(folder: Path) -> str | None:
     """Why a `checkpoint-N` folder cannot be resumed from (None when complete). The Trainer writes the
     weights first and `trainer_state.json` last, so an interrupted save lacks (or truncates) the latter."""
     state_file = folder / TRAINER_STATE_NAME
-    if not any((folder / name).is_file() for name in WEIGHT_NAMES):
+    weights = [folder / name for name in WEIGHT_NAMES if (folder / name).is_file()]
+    if not weights:
         return "no weights"
+    for path in weights:
+        if path.suffix == ".safetensors":
+            try:
+                with safe_open(str(path), framework="pt"):
+                    pass
+            except Exception as error:  # safetensors raises its own SafetensorError (and OSError)
+                return f"unreadable {path.name} ({type(error).__name__}: truncated or corrupt)"
     try:
         state = json.loads(state_file.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -111,6 +123,28 @@ def finished_run(output_dir: Path, config: dict) -> dict | None:
     ):
         return record
     return None
+
+
+def output_dir_problem(output_dir: Path) -> str | None:
+    """Why training must not write into `output_dir` (None when it may): it holds files that no
+    `hf-dflash train` run made. Training's own folders hold `training_started.json` (written when a run
+    starts), or, from runs before that file existed, `finished_run.json` or `checkpoint-N` folders."""
+    if not output_dir.exists():
+        return None
+    if not output_dir.is_dir():
+        return f"training.output_dir {output_dir} is a file, not a folder; give a new or empty folder."
+    held = sorted(path.name for path in output_dir.iterdir() if path.name != LOCK_NAME)  # the main process's lock
+    if not held or STARTED_RUN_NAME in held or FINISHED_RUN_NAME in held:
+        return None
+    if any(_CHECKPOINT.match(name) and (output_dir / name).is_dir() for name in held):
+        return None
+    shown = ", ".join(held[:6]) + (" ..." if len(held) > 6 else "")
+    return (
+        f"training.output_dir {output_dir} is not empty and was not made by hf-dflash train (it holds {shown}); "
+        "training would replace its weights, config, card and record and leave the rest (e.g. a benchmark.json "
+        "of other weights). Give a new or empty output_dir; to continue training this drafter, set "
+        f"drafter.init_from: {output_dir} and a new output_dir."
+    )
 
 
 def build_drafter(section: dict, target, tokenizer, block_size: int) -> DFlashDraftModel:
@@ -211,8 +245,18 @@ def train_from_config(config: dict, callbacks: list | None = None) -> DFlashTrai
             "or use a new output_dir."
         )
         return None
+    if (problem := output_dir_problem(output_dir)) is not None:
+        raise ValueError(problem)
     # The card's base_model: the target as named in the config, not its cache folder.
     args = DFlashTrainingArguments(**{"target_name_or_path": config["target"], **config["training"]})
+    if args.process_index != 0:  # the main process holds the folder's lock and writes the records
+        return _train(config, args, output_dir, callbacks)
+    with folder_lock(output_dir, "training.output_dir"):
+        write_json_atomic(output_dir / STARTED_RUN_NAME, {"made_by": "hf-dflash train", "config": _json_config(config)})
+        return _train(config, args, output_dir, callbacks)
+
+
+def _train(config: dict, args: DFlashTrainingArguments, output_dir: Path, callbacks: list | None):
     resume, skipped = last_complete_checkpoint(output_dir)
     if args.process_index == 0 and skipped:
         print(
@@ -248,7 +292,15 @@ def train_from_config(config: dict, callbacks: list | None = None) -> DFlashTrai
     trainer = DFlashTrainer(
         model, args, target=target, train_dataset=train, eval_dataset=evaluation, callbacks=[record, *(callbacks or [])]
     )
-    trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
+    try:
+        trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
+    except (SafetensorError, pickle.UnpicklingError, EOFError) as error:
+        if resume is None:
+            raise
+        raise ValueError(
+            f"Cannot resume from {resume}: a file in it is unreadable or refused by torch.load ({type(error).__name__}: "
+            f"{str(error)[:200]}). Delete {resume} to resume from the checkpoint before it, or use a new output_dir."
+        ) from error
     final = model.merge_and_unload() if config.get("lora") else drafter
     if trainer.is_world_process_zero():
         final.save_pretrained(args.output_dir)

@@ -4,6 +4,8 @@ Self-contained (imports only `transformers`): this file is copied verbatim into 
 remote code, next to `modeling_dflash.py`.
 """
 
+import numbers
+
 from transformers import PreTrainedConfig
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -65,17 +67,26 @@ def default_target_layer_ids(num_target_layers: int, num_target_features: int) -
 
 
 def check_checkpoint_fields(config_dict: dict, source: str = "config.json") -> None:
-    """Raise a `ValueError` when a Hub-format config dict lacks `mask_token_id` or `target_layer_ids`."""
+    """Raise a `ValueError` when a Hub-format config dict lacks `mask_token_id`, `target_layer_ids` or its
+    RoPE settings (`rope_parameters`, or an older `rope_theta`): each would fall back to a class default."""
     for field in CHECKPOINT_REQUIRED_FIELDS:
         if config_dict.get(field) is None:
             raise ValueError(
                 f"{source} has no {field}: the class default would be used silently, and {SILENT_FALLBACK}. "
                 f"Set {field} to the value the drafter was trained with."
             )
+    if config_dict.get("rope_parameters") is None and config_dict.get("rope_theta") is None:
+        raise ValueError(
+            f"{source} has no rope_parameters (nor rope_theta): the default base differs per format (1e6, 1e5, "
+            '1e4) and a wrong one costs acceptance with no error. Set rope_parameters: {"rope_type": "default", '
+            '"rope_theta": <the base the drafter was trained with, normally its target\'s>}.'
+        )
 
 
-def rope_parameters_from_config(config: dict) -> dict:
-    """rope_parameters from a Transformers >= 5 config dict, or from older rope_theta + rope_scaling."""
+def rope_parameters_from_config(config: dict, source: str = "config.json", fallback: dict | None = None) -> dict:
+    """rope_parameters from a Transformers >= 5 config dict, or from older rope_theta + rope_scaling;
+    without a RoPE base there, `fallback`'s (a section that keeps it elsewhere), else a ValueError: the
+    formats' defaults differ (1e4, 1e5, 1e6) and a wrong base costs acceptance silently."""
     if isinstance(config.get("rope_parameters"), dict):
         rope = dict(config["rope_parameters"])
         if "full_attention" in rope and isinstance(rope["full_attention"], dict):
@@ -85,8 +96,29 @@ def rope_parameters_from_config(config: dict) -> dict:
         if "type" in rope:
             rope.setdefault("rope_type", rope.pop("type"))
     rope.setdefault("rope_type", "default")
-    rope.setdefault("rope_theta", float(config.get("rope_theta", 10_000.0)))
+    theta = rope.get("rope_theta", config.get("rope_theta"))
+    if theta is None and fallback is not None:
+        theta = rope_parameters_from_config(fallback, source).get("rope_theta")
+    if theta is None:
+        raise ValueError(
+            f"{source}: no rope_theta (neither rope_parameters.rope_theta nor rope_theta): the default base differs "
+            "per format (1e4, 1e5, 1e6) and a wrong one costs acceptance with no error. Add the base the drafter "
+            "was trained with (normally its target's rope_theta)."
+        )
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise ValueError(f"{source}: rope_theta={theta!r} must be a positive number.")
+    rope["rope_theta"] = float(theta)
     return rope
+
+
+def strict_int(value, name: str, low: int | None = None) -> int:
+    """`value` when it is an integer (not a bool, a float or a string) of at least `low`; else a ValueError
+    naming `name`: config values are never coerced (a float truncated, `true` read as 1)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name}={value!r} must be an integer, got {type(value).__name__}.")
+    if low is not None and value < low:
+        raise ValueError(f"{name}={value!r} must be >= {low}.")
+    return int(value)
 
 
 def _official_sliding_semantics(config: dict, dflash: dict, source: str) -> bool:
@@ -160,10 +192,10 @@ def dflash_kwargs_from_official(config: dict, source: str = "config.json") -> di
 
     kwargs = {field: config[field] for field in OFFICIAL_DECODER_FIELDS if config.get(field) is not None}
     kwargs.update(
-        rope_parameters=rope_parameters_from_config(config),
+        rope_parameters=rope_parameters_from_config(config, source),
         block_size=block_size,
         mask_token_id=dflash["mask_token_id"],
-        target_layer_ids=list(dflash["target_layer_ids"]),
+        target_layer_ids=dflash["target_layer_ids"],
         sliding_window_non_causal=_official_sliding_semantics(config, dflash, source),
         tie_word_embeddings=False,
     )
@@ -267,13 +299,17 @@ class DFlashConfig(PreTrainedConfig):
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         if self.target_layer_ids is None:
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers, 5)
-        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if not isinstance(self.target_layer_ids, (list, tuple)):  # a string would be split into characters
+            raise ValueError(
+                f"target_layer_ids={self.target_layer_ids!r} must be a list of 0-based target layer integers."
+            )
+        self.target_layer_ids = [strict_int(i, "target_layer_ids item", 0) for i in self.target_layer_ids]
         super().__post_init__(**kwargs)
         self.validate_dflash()
 
     def validate_dflash(self) -> None:
         """Raise a `ValueError` naming the first inconsistent DFlash field."""
-        if not isinstance(self.block_size, int) or self.block_size < 2:
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 2:
             raise ValueError(f"block_size must be an int >= 2 (anchor + at least one draft), got {self.block_size!r}.")
         ids = self.target_layer_ids
         if not ids:
@@ -291,6 +327,7 @@ class DFlashConfig(PreTrainedConfig):
                 "mask_token_id is missing: set it to an unused row of the target's embedding "
                 "(see choose_mask_token_id); without it acceptance collapses silently."
             )
+        strict_int(self.mask_token_id, "mask_token_id")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
                 f"mask_token_id={self.mask_token_id} is outside the target embedding [0, vocab_size={self.vocab_size})."
@@ -306,7 +343,9 @@ class DFlashConfig(PreTrainedConfig):
                 f"{self.num_hidden_layers} layers."
             )
         if self.draft_vocab_size is not None and (
-            not isinstance(self.draft_vocab_size, int) or not 1 <= self.draft_vocab_size <= self.vocab_size
+            not isinstance(self.draft_vocab_size, int)
+            or isinstance(self.draft_vocab_size, bool)
+            or not 1 <= self.draft_vocab_size <= self.vocab_size
         ):
             raise ValueError(
                 f"draft_vocab_size={self.draft_vocab_size!r} must be an int in [1, vocab_size={self.vocab_size}] "

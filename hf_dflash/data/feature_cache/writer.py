@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from ...folder_lock import folder_lock
 from ...json_files import write_json_atomic
 from ...packaged_files import file_sha256
 from ...target_features import compute_target_features
@@ -192,9 +193,13 @@ def cache_features(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
     fingerprint = target_fingerprint(target)
     num_layers = fingerprint["num_hidden_layers"]
-    if not target_layer_ids or not all(0 <= i < num_layers for i in target_layer_ids):
+    if (
+        not target_layer_ids
+        or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in target_layer_ids)
+        or len(set(target_layer_ids)) != len(target_layer_ids)
+    ):
         raise ValueError(
-            f"target_layer_ids={target_layer_ids} must be non-empty 0-based decoder layers of a "
+            f"target_layer_ids={target_layer_ids} must be distinct, non-empty 0-based decoder layers of a "
             f"{num_layers}-layer target (0..{num_layers - 1})."
         )
     header = {
@@ -209,61 +214,61 @@ def cache_features(
     }
     files, samples = scan_tokenized(tokenized_dir, fingerprint["vocab_size"])
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    index_path, progress_path = out_dir / INDEX_FILE, out_dir / PROGRESS_FILE
-    if index_path.is_file():
-        check_same_cache(json.loads(index_path.read_text()), header, out_dir)
-        done = recover_progress(out_dir)
-    else:
-        done = {"shards": {}, "samples": {}}
-        write_json_atomic(index_path, {**header, "shards": {}, "samples": {}})
-        progress_path.unlink(missing_ok=True)
-    for sample in samples:
-        cached = done["samples"].get(sample["id"])
-        if cached is not None and cached["length"] != sample["length"]:
-            raise ValueError(
-                f"Sample {sample['id']!r} now has {sample['length']} tokens but was cached with {cached['length']}: "
-                f"the tokenised data changed; delete {out_dir} and re-run hf-dflash cache-features."
-            )
+    with folder_lock(out_dir, "cache-features"):  # one writer per cache folder (created)
+        index_path, progress_path = out_dir / INDEX_FILE, out_dir / PROGRESS_FILE
+        if index_path.is_file():
+            check_same_cache(json.loads(index_path.read_text()), header, out_dir)
+            done = recover_progress(out_dir)
+        else:
+            done = {"shards": {}, "samples": {}}
+            write_json_atomic(index_path, {**header, "shards": {}, "samples": {}})
+            progress_path.unlink(missing_ok=True)
+        for sample in samples:
+            cached = done["samples"].get(sample["id"])
+            if cached is not None and cached["length"] != sample["length"]:
+                raise ValueError(
+                    f"Sample {sample['id']!r} now has {sample['length']} tokens but was cached with {cached['length']}: "
+                    f"the tokenised data changed; delete {out_dir} and re-run hf-dflash cache-features."
+                )
 
-    target.eval()
-    pending: dict[str, torch.Tensor] = {}
-    pending_samples: dict[str, dict] = {}
-    pending_bytes = 0
-    already = sum(sample["id"] in done["samples"] for sample in samples)
-    with tqdm(total=len(samples), initial=already, unit="sample", desc="target features") as bar:
-        for batch in plan_batches(samples, batch_size):
-            todo = [sample for sample in batch if sample["id"] not in done["samples"]]
-            if not todo:
-                continue
-            tokens = read_tokens(tokenized_dir, files, todo)
-            for sample, features in zip(todo, batch_features(target, tokens, target_layer_ids, dtype)):
-                pending[sample["key"]] = features
-                pending_samples[sample["id"]] = {"key": sample["key"], "length": sample["length"]}
-                pending_bytes += features.numel() * features.element_size()
-            bar.update(len(todo))
-            if pending_bytes >= shard_size_bytes:
+        target.eval()
+        pending: dict[str, torch.Tensor] = {}
+        pending_samples: dict[str, dict] = {}
+        pending_bytes = 0
+        already = sum(sample["id"] in done["samples"] for sample in samples)
+        with tqdm(total=len(samples), initial=already, unit="sample", desc="target features") as bar:
+            for batch in plan_batches(samples, batch_size):
+                todo = [sample for sample in batch if sample["id"] not in done["samples"]]
+                if not todo:
+                    continue
+                tokens = read_tokens(tokenized_dir, files, todo)
+                for sample, features in zip(todo, batch_features(target, tokens, target_layer_ids, dtype)):
+                    pending[sample["key"]] = features
+                    pending_samples[sample["id"]] = {"key": sample["key"], "length": sample["length"]}
+                    pending_bytes += features.numel() * features.element_size()
+                bar.update(len(todo))
+                if pending_bytes >= shard_size_bytes:
+                    flush_shard(out_dir, done, pending, pending_samples)
+                    pending, pending_samples, pending_bytes = {}, {}, 0
+            if pending:
                 flush_shard(out_dir, done, pending, pending_samples)
-                pending, pending_samples, pending_bytes = {}, {}, 0
-        if pending:
-            flush_shard(out_dir, done, pending, pending_samples)
 
-    located = {sample["id"]: sample for sample in samples}
-    index = {
-        **header,
-        "complete": True,
-        "tokenized_files": files,
-        "num_samples": len(samples),
-        "num_tokens": sum(sample["length"] for sample in samples),
-        "shards": dict(sorted(done["shards"].items())),
-        "samples": {
-            sample_id: {**entry, "file": located[sample_id]["file"], "offset": located[sample_id]["offset"]}
-            for sample_id, entry in done["samples"].items()
-            if sample_id in located
-        },
-    }
-    write_json_atomic(index_path, index)
-    progress_path.unlink(missing_ok=True)
+        located = {sample["id"]: sample for sample in samples}
+        index = {
+            **header,
+            "complete": True,
+            "tokenized_files": files,
+            "num_samples": len(samples),
+            "num_tokens": sum(sample["length"] for sample in samples),
+            "shards": dict(sorted(done["shards"].items())),
+            "samples": {
+                sample_id: {**entry, "file": located[sample_id]["file"], "offset": located[sample_id]["offset"]}
+                for sample_id, entry in done["samples"].items()
+                if sample_id in located
+            },
+        }
+        write_json_atomic(index_path, index)
+        progress_path.unlink(missing_ok=True)
     return out_dir
 
 

@@ -1,0 +1,61 @@
+"""The one error path of the `hf-dflash` commands and the repository's scripts: a user error becomes
+`<prog>: error: <message>` on stderr and exit status 2 (argparse's own status for bad arguments);
+a programming error keeps its traceback.
+
+User errors are what bad input, files and folders raise: ValueError (our named refusals, corrupt JSON,
+undecodable text), OSError (a missing, unreadable or misplaced file or folder: the message names it),
+safetensors' SafetensorError (a truncated or corrupt weights file) and pickle's UnpicklingError (a
+checkpoint file torch refuses to load).
+
+    def main(argv=None) -> int:
+        args = parser.parse_args(argv)
+        return run_reporting_errors("offline_subset.py", lambda: work(args))
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from collections.abc import Callable
+
+__all__ = ["USAGE_ERROR", "describe_user_error", "is_user_error", "run_reporting_errors"]
+
+USAGE_ERROR = 2
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    types: list[type[BaseException]] = [ValueError, OSError, pickle.UnpicklingError]
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # pragma: no cover - safetensors is a dependency
+        pass
+    else:
+        types.append(SafetensorError)
+    return tuple(types)
+
+
+def is_user_error(error: BaseException) -> bool:
+    return isinstance(error, _user_error_types())
+
+
+def describe_user_error(error: BaseException) -> str:
+    """The message to print: OSErrors say what the system refused and on which path(s); the others are
+    our own named messages (or the library's) as they are, prefixed by their type when it is not ours."""
+    if isinstance(error, OSError) and error.filename is not None:
+        paths = f"{error.filename}" + (f" -> {error.filename2}" if error.filename2 is not None else "")
+        reason = error.strerror or type(error).__name__
+        return f"{paths}: {reason} ({type(error).__name__}); check the path, or choose another one."
+    if isinstance(error, (ValueError, OSError)):
+        return str(error) or type(error).__name__
+    return f"{type(error).__name__}: {error}"
+
+
+def run_reporting_errors(prog: str, work: Callable[[], int | None]) -> int:
+    """`work()`'s exit status (None counts as 0); a user error prints `prog: error: ...` and returns 2."""
+    try:
+        return int(work() or 0)
+    except Exception as error:
+        if not is_user_error(error):
+            raise
+        print(f"{prog}: error: {describe_user_error(error)}", file=sys.stderr)
+        return USAGE_ERROR

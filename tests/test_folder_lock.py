@@ -1,0 +1,76 @@
+"""One writer per output folder (`hf_dflash.folder_lock`), across processes."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import hf_dflash.folder_lock as folder_lock_module
+from hf_dflash.folder_lock import LOCK_NAME, FolderLockedError, folder_lock
+
+
+def test_a_second_holder_is_refused_and_the_lock_file_goes_with_the_first(tmp_path):
+    out = tmp_path / "out"
+    with folder_lock(out, "pack-data") as folder:
+        assert folder == out and (out / LOCK_NAME).is_file()
+        with pytest.raises(FolderLockedError) as caught:
+            with folder_lock(out, "pack-data"):
+                pass
+        message = str(caught.value)
+        assert f"another process is writing to {out}" in message and str(out / LOCK_NAME) in message
+        assert "wait for it to finish or choose another folder for pack-data" in message
+    assert not (out / LOCK_NAME).exists()
+    (out / LOCK_NAME).write_text("pid 1")  # left by a killed holder: the file, but no lock
+    with folder_lock(out):
+        pass
+
+
+def test_another_process_holding_the_lock_refuses_this_one(tmp_path):
+    """A real second process (the module loaded from its file: no package import in the child)."""
+    out = tmp_path / "out"
+    child = textwrap.dedent(
+        f"""
+        import importlib.util, sys
+        spec = importlib.util.spec_from_file_location("folder_lock", {folder_lock_module.__file__!r})
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        with module.folder_lock({str(out)!r}):
+            print("locked", flush=True)
+            sys.stdin.read()
+        """
+    )
+    process = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "locked"
+        with pytest.raises(FolderLockedError, match=rf"held by pid {process.pid}"):
+            with folder_lock(out):
+                pass
+    finally:
+        process.stdin.close()
+        process.wait(timeout=30)
+    with folder_lock(out):  # released with the process
+        pass
+
+
+@pytest.mark.parametrize("writer", ["regeneration", "cache-features", "prepare-data"])
+def test_every_shared_folder_writer_refuses_a_second_one(tmp_path, writer):
+    """Issue 25 B1 for the other writers: a locked folder is refused before anything is written into it."""
+    from tests.test_data import PROMPTS, regenerate_tiny
+
+    out = tmp_path / "out"
+    with folder_lock(out):
+        with pytest.raises(FolderLockedError, match="another process is writing to"):
+            if writer == "regeneration":
+                regenerate_tiny(out, PROMPTS[:2])
+            elif writer == "cache-features":
+                from hf_dflash.data.feature_cache import cache_features
+                from tests.conftest import make_target
+                from tests.test_offline_features import write_tokenized
+
+                cache_features(make_target("llama"), write_tokenized(tmp_path / "data"), out, [0, 1])
+            else:
+                from hf_dflash.data.pipeline import prepare_data
+
+                prepare_data(out, sources=[], prompts_file=tmp_path / "none.jsonl")
+        assert sorted(path.name for path in out.iterdir()) == [LOCK_NAME]
