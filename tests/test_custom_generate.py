@@ -34,14 +34,13 @@ class CountForwards:
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
-@pytest.mark.parametrize("block_size", [2, 4, 16])
+@pytest.mark.parametrize("block_size", [3, 16])
 def test_random_drafter_matches_plain_greedy(arch, block_size):
     target = make_target(arch)
     drafter = make_drafter(target, block_size=block_size)
-    for seed in range(2):
-        input_ids = prompt(seed, length=5 + seed)
-        expected = plain_greedy(target, input_ids, max_new_tokens=37)
-        assert torch.equal(dflash(target, input_ids, drafter, do_sample=False, max_new_tokens=37), expected)
+    input_ids = prompt(block_size, length=6)
+    expected = plain_greedy(target, input_ids, max_new_tokens=37)
+    assert torch.equal(dflash(target, input_ids, drafter, do_sample=False, max_new_tokens=37), expected)
 
 
 @pytest.mark.parametrize("block_size", [2, 5, 16])
@@ -116,7 +115,8 @@ def test_greedy_with_logits_processors_matches_plain():
 @torch.no_grad()
 def test_sampling_preserves_target_distribution():
     """The 2nd new token (drafted, then verified by rejection sampling) follows its exact marginal under the
-    target with the same warpers, and drafts really were accepted."""
+    target with the same warpers, and drafts really were accepted. (600 draws: the package's loop is checked
+    with 1,200 in test_generation_sampling.py, and both use the same `speculative_sample`.)"""
     target = make_target("qwen3", seed=3)
     drafter = make_drafter(target, block_size=4, seed=4)
     warpers = dict(temperature=0.8, top_k=40, top_p=0.95)
@@ -125,7 +125,7 @@ def test_sampling_preserves_target_distribution():
     torch.manual_seed(0)
     counts = torch.zeros_like(p_second)
     counter = CountForwards(target)
-    draws, accepted = 1200, 0
+    draws, accepted = 600, 0
     for _ in range(draws):
         before = counter.calls
         out = dflash(target, prefix, drafter, do_sample=True, max_new_tokens=3, eos_token_id=None, **warpers)
