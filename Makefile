@@ -5,13 +5,25 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-# The generate hook and the drafter are also tested against the oldest supported Transformers
-# release (5.23 passes `past_key_values=` where 5.24 passes `cache=`), installed beside the venv.
+# The generate hook, the drafter and the custom_generate loop are also tested against the oldest supported
+# Transformers release (5.23 passes `past_key_values=` where 5.24 passes `cache=`) and the newest one tested
+# (5.25), each installed beside the venv without its dependencies. 5.25 requires `kernels` (0.19), which the
+# registry here does not serve: its run disables Hub kernels (USE_HUB_KERNELS=0, Transformers' own switch).
 COMPAT := .cache/transformers-5.23.0
+NEWEST := .cache/transformers-5.25.0
+CUSTOM_GENERATE_TESTS := tests/test_custom_generate.py::test_oracle_drafter_matches_and_accepts_every_draft \
+	tests/test_custom_generate.py::test_custom_stopping_criterion_and_streamer \
+	tests/test_custom_generate.py::test_return_dict_scores_and_logits_match_plain \
+	tests/test_custom_generate.py::test_refuses_what_it_does_not_serve \
+	tests/test_custom_generate.py::test_saved_folder_generates_with_custom_generate \
+	tests/test_shipped_drafter.py::test_plain_transformers_custom_generate_on_the_real_target
 COMPAT_TESTS := tests/test_generate_hook.py tests/test_modeling.py tests/test_checkpoints.py tests/test_generation_batched.py \
 	tests/test_adaptive.py tests/test_continuous_regeneration.py tests/test_tree.py tests/test_tree_budget.py tests/test_generation_hybrid.py \
 	tests/test_generation_greedy.py::test_return_dict_scores_logits_and_hidden_states_match_plain \
-	tests/test_generation_greedy.py::test_eos_inside_accepted_block_stops_there
+	tests/test_generation_greedy.py::test_eos_inside_accepted_block_stops_there $(CUSTOM_GENERATE_TESTS)
+NEWEST_TESTS := tests/test_generate_hook.py tests/test_modeling.py \
+	tests/test_generation_greedy.py::test_return_dict_scores_logits_and_hidden_states_match_plain \
+	tests/test_generation_greedy.py::test_eos_inside_accepted_block_stops_there $(CUSTOM_GENERATE_TESTS)
 
 .PHONY: demo test test-fast test-compat lint install clean
 
@@ -30,15 +42,20 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/hf-dflash demo
 
-test: $(STAMP) $(COMPAT) lint
+test: $(STAMP) $(COMPAT) $(NEWEST) lint
 	$(BIN)/python -m pytest -q
 	PYTHONPATH=$(COMPAT) $(BIN)/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
+	USE_HUB_KERNELS=0 PYTHONPATH=$(NEWEST) $(BIN)/python -m pytest -q -p no:cacheprovider $(NEWEST_TESTS)
 
-test-compat: $(STAMP) $(COMPAT)
+test-compat: $(STAMP) $(COMPAT) $(NEWEST)
 	PYTHONPATH=$(COMPAT) $(BIN)/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
+	USE_HUB_KERNELS=0 PYTHONPATH=$(NEWEST) $(BIN)/python -m pytest -q -p no:cacheprovider $(NEWEST_TESTS)
 
 $(COMPAT):
 	$(BIN)/python -m pip install -q --no-deps --target $(COMPAT) transformers==5.23.0
+
+$(NEWEST):
+	$(BIN)/python -m pip install -q --no-deps --target $(NEWEST) transformers==5.25.0
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -76,6 +76,48 @@ def test_hook_is_installed_once():
     assert hook.GenerationMixin._assisted_decoding is original
 
 
+def test_the_hook_is_version_checked():
+    """Wrapped only on a tested release whose methods take the expected parameters (the installed one is)."""
+    import transformers
+
+    assert hook.unsupported_reason(transformers.__version__) is None
+    assert "Transformers 5.99.0 is not a release it was tested on (5.23" in hook.unsupported_reason("5.99.0")
+    assert "5.26.0.dev0" in hook.unsupported_reason("5.26.0.dev0")
+    renamed = {**hook.WRAPPED_PARAMETERS, "_assisted_decoding": ["self", "input_ids", "candidate_generator"]}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hook, "WRAPPED_PARAMETERS", renamed)
+        assert "GenerationMixin._assisted_decoding of Transformers" in hook.unsupported_reason(transformers.__version__)
+
+
+def test_an_unknown_transformers_release_refuses_dflash_assistants_clearly(monkeypatch):
+    """On an untested release nothing internal is wrapped; a DFlash assistant is refused with the way out, and
+    every other call (plain decoding, other assistants, Transformers' own DFlash loop) runs unchanged."""
+    mixin = hook.GenerationMixin
+    for name in ("_validate_generation_mode", "_assisted_decoding"):
+        monkeypatch.setattr(mixin, name, getattr(mixin, name)._hf_dflash_original)
+    monkeypatch.setattr(mixin, "generate", mixin.generate)  # restored after the test
+    hook.install_generate_hook(version="5.99.0")
+    hook.install_generate_hook(version="5.99.0")  # idempotent
+    assert not hasattr(mixin._assisted_decoding, "_hf_dflash_original")
+    assert mixin.generate._hf_dflash_refusal and not hasattr(mixin.generate.__wrapped__, "_hf_dflash_refusal")
+    target = make_target("qwen3")
+    drafter = make_drafter(target)
+    with pytest.raises(RuntimeError, match=r"Transformers 5\.99\.0 is not a release.*custom_generate=.*<5\.26"):
+        target.generate(PROMPT, max_new_tokens=5, assistant_model=drafter)
+    expected = target.generate(PROMPT, do_sample=False, max_new_tokens=12, eos_token_id=None)
+    builtin = target.generate(
+        PROMPT,
+        do_sample=False,
+        max_new_tokens=12,
+        eos_token_id=None,
+        assistant_model=drafter,
+        speculation_type="dflash",
+    )
+    assert torch.equal(builtin, expected)
+    other = target.generate(PROMPT, do_sample=False, max_new_tokens=12, eos_token_id=None, assistant_model=target)
+    assert torch.equal(other, expected)
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

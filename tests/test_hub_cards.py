@@ -19,7 +19,15 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, TrainerState
 
 from hf_dflash import DFlashDraftModel
-from hf_dflash.checkpoints import detect_format, export_drafter, load_drafter, push_folder, save_hub
+from hf_dflash.checkpoints import (
+    CUSTOM_GENERATE_FILE,
+    detect_format,
+    export_drafter,
+    load_drafter,
+    push_folder,
+    save_hub,
+)
+from hf_dflash.checkpoints.hub import CUSTOM_GENERATE_SOURCE
 from hf_dflash.cli import main
 from hf_dflash.hub_cards import (
     REPO_ID_PLACEHOLDER,
@@ -161,9 +169,11 @@ else:
 """
 REMOTE_CHECK = """
 import torch
-assert not type(drafter).__module__.startswith("hf_dflash"), type(drafter).__module__
-assert type(drafter).__name__ == "DFlashDraftModel", type(drafter)
 assert not any(name.startswith("hf_dflash") for name, module in sys.modules.items() if module)
+loops = [module for name, module in sys.modules.items() if module and name.endswith("custom_generate.generate")]
+drafters = [drafter for loop in loops for drafter in loop._DRAFTERS.values()]
+assert [type(drafter).__name__ for drafter in drafters] == ["DFlashDraftModel"], drafters
+assert not type(drafters[0]).__module__.startswith("hf_dflash"), type(drafters[0]).__module__
 plain = target.generate(**inputs, max_new_tokens=128, do_sample=False)
 assert torch.equal(out, plain), (out, plain)
 print("REMOTE_OK", out.shape[1] - inputs["input_ids"].shape[1])
@@ -203,7 +213,9 @@ def test_exported_folder(exported, drafter_dir, remote_process):
         "benchmark.json",
         "training_record.json",
         "official",
+        "custom_generate",
     }
+    assert (exported / CUSTOM_GENERATE_FILE).read_text() == CUSTOM_GENERATE_SOURCE.read_text()
     config = json.loads((exported / "config.json").read_text())
     assert config["model_type"] == "dflash"
     assert config["auto_map"] == {
@@ -315,6 +327,7 @@ def test_card_without_benchmark_or_record_says_so(bare):
         "modeling_dflash.py",
         "model.safetensors",
         "README.md",
+        "custom_generate",
     }
 
 
@@ -563,8 +576,9 @@ def test_push_without_token_explains_login(bare, tmp_path, fake_hub, monkeypatch
 
 
 def test_card_snippet_with_plain_transformers_in_subprocess(remote_process):
-    """The card's plain-Transformers snippet (trust_remote_code + speculation_type="dflash") runs
-    where hf_dflash cannot be imported and generates exactly plain greedy's tokens."""
+    """The card's plain-Transformers snippet (custom_generate=<the repo>, trust_remote_code=True) runs where
+    hf_dflash cannot be imported, through the repo's own DFlash loop and drafter, and generates exactly plain
+    greedy's tokens."""
     stdout, stderr = remote_process.communicate(timeout=120)
     assert remote_process.returncode == 0, stderr[-3000:]
     generated = int(stdout.split("REMOTE_OK")[1].split()[0])

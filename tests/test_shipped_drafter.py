@@ -2,14 +2,19 @@
 benchmark.json, and on the real SmolLM2 it is lossless and actually accepts drafts (trained weights)."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from huggingface_hub import ModelCard
 from safetensors import safe_open
 
-from hf_dflash.checkpoints import load_drafter
+from hf_dflash.checkpoints import CUSTOM_GENERATE_FILE, load_drafter
+from hf_dflash.checkpoints.hub import CUSTOM_GENERATE_SOURCE, check_remote_code
 from hf_dflash.demo import DEMO_PROMPTS, SHIPPED_DRAFTER
 from hf_dflash.hub_cards.schemas import load_benchmark, load_training_record
 
@@ -79,3 +84,89 @@ def test_lossless_and_accepting_on_the_real_target(real_target, shipped_fp32):
     ours = target.generate(**inputs, do_sample=False, max_new_tokens=64, assistant_model=shipped_fp32)
     assert torch.equal(plain, ours)
     assert shipped_fp32.last_acceptance.mean_acceptance_length >= MIN_TAU_ON_DEMO_MATH
+
+
+def test_the_custom_generate_file_is_the_package_code():
+    """Every shipped folder's custom_generate/generate.py is today's (`hf-dflash export` writes it)."""
+    for folder in sorted(p for p in SHIPPED_DRAFTER.parent.iterdir() if (p / "config.json").is_file()):
+        assert (folder / CUSTOM_GENERATE_FILE).read_text() == CUSTOM_GENERATE_SOURCE.read_text(), f"re-export {folder}"
+        check_remote_code(folder / CUSTOM_GENERATE_FILE, standalone=True)
+
+
+# Plain Transformers with hf_dflash unimportable: generate(custom_generate=<shipped folder>) on the real target.
+PLAIN_TRANSFORMERS_SCRIPT = """
+import json, sys
+sys.modules["hf_dflash"] = None  # our package must be unreachable
+try:
+    import hf_dflash
+except ImportError:
+    pass
+else:
+    raise SystemExit("hf_dflash is importable")
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.generation.streamers import BaseStreamer
+
+target_dir, drafter_dir, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+tokenizer = AutoTokenizer.from_pretrained(target_dir)
+inputs = tokenizer.apply_chat_template(
+    [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+)
+forwards = []
+target.register_forward_pre_hook(lambda module, args: forwards.append(1))
+dflash = dict(custom_generate=drafter_dir, trust_remote_code=True)
+
+
+class Collect(BaseStreamer):
+    def __init__(self):
+        self.tokens, self.ended = [], False
+
+    def put(self, value):
+        self.tokens += value.reshape(-1).tolist()
+
+    def end(self):
+        self.ended = True
+
+
+plain = target.generate(**inputs, do_sample=False, max_new_tokens=64)
+streamer, before = Collect(), len(forwards)
+ours = target.generate(**inputs, do_sample=False, max_new_tokens=64, streamer=streamer, **dflash)
+assert torch.equal(ours, plain), (ours, plain)
+tau = (ours.shape[1] - inputs["input_ids"].shape[1]) / (len(forwards) - before)
+assert streamer.tokens == ours[0].tolist() and streamer.ended
+stop = dict(stop_strings=["clips"], tokenizer=tokenizer, max_new_tokens=64, do_sample=False)
+assert torch.equal(target.generate(**inputs, **stop, **dflash), target.generate(**inputs, **stop))
+torch.manual_seed(0)
+sampled = target.generate(**inputs, do_sample=True, temperature=0.7, top_p=0.9, max_new_tokens=32, **dflash)
+text = tokenizer.decode(sampled[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+assert sampled.shape[1] > inputs["input_ids"].shape[1] and text.strip(), text
+assert not any(name == "hf_dflash" or name.startswith("hf_dflash.") for name, m in sys.modules.items() if m)
+import transformers
+
+print("PLAIN_TRANSFORMERS_OK", tau, transformers.__version__)
+"""
+
+
+@pytest.mark.real_model
+def test_plain_transformers_custom_generate_on_the_real_target(real_target, real_cache_dir, tmp_path):
+    """Where hf_dflash cannot be imported, `generate(custom_generate=<shipped folder>, trust_remote_code=True)`
+    decodes the real SmolLM2 exactly as plain greedy (fp32, streamer and stop strings included), accepting
+    drafts, and samples."""
+    target_dir = Path(real_cache_dir) / "smollm2-135m-instruct"
+    assert (target_dir / "config.json").is_file()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    # only the Transformers under test on the path (make test-compat puts another release first), not this repo
+    env["PYTHONPATH"] = str(Path(transformers.__file__).resolve().parents[1])
+    arguments = [str(target_dir), str(SHIPPED_DRAFTER), json.dumps(DEMO_PROMPTS["math"])]
+    process = subprocess.run(
+        [sys.executable, "-c", PLAIN_TRANSFORMERS_SCRIPT, *arguments],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert process.returncode == 0, process.stderr[-3000:]
+    tau, version = process.stdout.split("PLAIN_TRANSFORMERS_OK")[1].split()[:2]
+    assert version == transformers.__version__ and float(tau) >= MIN_TAU_ON_DEMO_MATH, (version, tau)

@@ -11,7 +11,7 @@ publish.py      export_drafter (a complete Hub repository folder), push_folder (
 """
 
 from .converting import FORMATS, convert
-from .files import CONFIG_NAME, REMOTE_CODE_FILES, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+from .files import CONFIG_NAME, CUSTOM_GENERATE_FILE, REMOTE_CODE_FILES, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 from .hub import HUB_AUTO_MAP, save_hub
 from .loading import detect_format, drafter_from_model, load_drafter, looks_like_dflash_drafter
 from .official import OFFICIAL_AUTO_MAP, load_official, official_config_dict, save_official
@@ -25,6 +25,7 @@ from .speculators import (
 
 __all__ = [
     "CONFIG_NAME",
+    "CUSTOM_GENERATE_FILE",
     "FORMATS",
     "HUB_AUTO_MAP",
     "OFFICIAL_AUTO_MAP",

@@ -21,6 +21,9 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 REMOTE_CODE_FILES = ("configuration_dflash.py", "modeling_dflash.py")
+# `generate(custom_generate=<drafter repo>, trust_remote_code=True)` runs this file (a copy of
+# hf_dflash/modeling_dflash/custom_generate.py): DFlash decoding with plain Transformers.
+CUSTOM_GENERATE_FILE = "custom_generate/generate.py"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -116,6 +119,7 @@ def resolve_folder(path: str | os.PathLike, revision: str | None = None, token=N
 
 __all__ = [
     "CONFIG_NAME",
+    "CUSTOM_GENERATE_FILE",
     "REMOTE_CODE_FILES",
     "WEIGHTS_INDEX_NAME",
     "WEIGHTS_NAME",

@@ -10,6 +10,7 @@ The folder (Hub-native checkpoint, SPEC §2):
     config.json                 model_type "dflash", auto_map -> the two remote-code files
     configuration_dflash.py     remote code (imports only torch / transformers)
     modeling_dflash.py
+    custom_generate/generate.py the DFlash loop for plain Transformers' generate(custom_generate=<repo>)
     model.safetensors
     README.md                   model card (hf_dflash/hub_cards/template.md)
     benchmark.json              when a benchmark was given (validated copy)

@@ -12,11 +12,21 @@ and dispatches to `GenerationMixin._assisted_decoding`. On import of `hf_dflash`
     Transformers' own loop with `speculation_type="dflash"`; with `prompt_lookup_num_tokens` beside it,
     our loop drafts with both (hybrid drafting, `decoding.py`).
 Every other call (normal assistant models, prompt lookup, MTP, early exit, ...) reaches the
-original methods unchanged, with the same arguments. Checked against Transformers 5.23.0 and 5.24.0.
+original methods unchanged, with the same arguments.
+
+Both methods are Transformers internals, so the hook is version-checked: it wraps them only on the
+releases it was tested on (`TESTED_TRANSFORMERS`; `make test` runs the oldest and the newest) and only
+when their parameters are the ones it expects. On any other release it wraps `generate` with a guard
+that refuses a DFlash `assistant_model` with the reason and the alternative
+(`custom_generate=<drafter folder or repo>`, which needs no patch), and passes every other call through.
+Why not `generate(custom_generate=<callable>)` here too: Transformers then drops `streamer`, `tokenizer`
+(stop strings) and `assistant_model` from the call, and validates the call as plain decoding.
 """
 
 import functools
+import inspect
 
+import transformers
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerationMixin
 
@@ -90,11 +100,52 @@ def refuse_foreign_dflash_drafter(assistant_model) -> None:
         )
 
 
-def install_generate_hook() -> None:
-    """Wrap `_validate_generation_mode` and `_assisted_decoding` of `GenerationMixin` (idempotent)."""
+# Transformers releases (major.minor) whose generate internals the hook was tested on, and the parameters
+# of the two methods it wraps there.
+TESTED_TRANSFORMERS = ("5.23", "5.24", "5.25")
+WRAPPED_PARAMETERS = {
+    "_validate_generation_mode": ["self", "generation_mode", "generation_config", "generation_mode_kwargs"],
+    "_assisted_decoding": [
+        "self",
+        "input_ids",
+        "logits_processor",
+        "stopping_criteria",
+        "generation_config",
+        "synced_gpus",
+        "streamer",
+        "inputs_tensor",
+        "assistant_model",
+        "assistant_tokenizer",
+        "tokenizer",
+        "model_kwargs",
+    ],
+}
+
+
+def unsupported_reason(version: str) -> str | None:
+    """Why the hook cannot route DFlash assistants on Transformers `version` (None: it can)."""
+    release = ".".join(version.split(".")[:2])
+    if release not in TESTED_TRANSFORMERS:
+        return f"Transformers {version} is not a release it was tested on ({', '.join(TESTED_TRANSFORMERS)})"
+    for name, expected in WRAPPED_PARAMETERS.items():
+        found = list(inspect.signature(getattr(GenerationMixin, name)).parameters)
+        if found != expected:
+            return f"GenerationMixin.{name} of Transformers {version} takes {found}, not {expected}"
+    return None
+
+
+def install_generate_hook(version: str | None = None) -> None:
+    """Wrap `_validate_generation_mode` and `_assisted_decoding` of `GenerationMixin` on a tested Transformers
+    release (`version`: default the installed one); elsewhere install the refusing `generate` guard. Idempotent."""
     original_validate = GenerationMixin._validate_generation_mode
     original_decoding = GenerationMixin._assisted_decoding
     if getattr(original_decoding, "_hf_dflash_original", None) is not None:
+        return
+    if getattr(GenerationMixin.generate, "_hf_dflash_refusal", None) is not None:
+        return
+    reason = unsupported_reason(version or transformers.__version__)
+    if reason is not None:
+        install_refusal(reason)
         return
 
     @functools.wraps(original_validate)
@@ -122,3 +173,30 @@ def install_generate_hook() -> None:
     _assisted_decoding._hf_dflash_original = original_decoding
     GenerationMixin._validate_generation_mode = _validate_generation_mode
     GenerationMixin._assisted_decoding = _assisted_decoding
+
+
+def install_refusal(reason: str) -> None:
+    """Wrap `GenerationMixin.generate` so that a DFlash `assistant_model` (without `speculation_type="dflash"`,
+    Transformers' own loop) raises a RuntimeError saying `reason` and what to use instead."""
+    original_generate = GenerationMixin.generate
+
+    @functools.wraps(original_generate)
+    def generate(self, *args, **kwargs):
+        config = kwargs.get("generation_config")
+        speculation = kwargs.get("speculation_type", getattr(config, "speculation_type", None))
+        if isinstance(kwargs.get("assistant_model"), DFlashDraftModel) and speculation != "dflash":
+            raise RuntimeError(
+                f"hf_dflash cannot route generate(assistant_model=<DFlash drafter>): {reason}. Use "
+                "generate(..., custom_generate=<the drafter's folder or Hub repo>, trust_remote_code=True), which "
+                "runs DFlash without hf_dflash's hook, or install a tested release: "
+                f"pip install 'transformers>={TESTED_TRANSFORMERS[0]},<{_next_release(TESTED_TRANSFORMERS[-1])}'."
+            )
+        return original_generate(self, *args, **kwargs)
+
+    generate._hf_dflash_refusal = reason
+    GenerationMixin.generate = generate
+
+
+def _next_release(release: str) -> str:
+    major, minor = release.split(".")
+    return f"{major}.{int(minor) + 1}"

@@ -15,6 +15,9 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
+# One copy of the acceptance rules: the self-contained Hub loop (custom_generate/generate.py) defines them.
+from ..modeling_dflash.custom_generate import accepted_lengths, speculative_sample  # noqa: F401  (re-exported)
+
 # Processors whose output depends only on the scores, never on input_ids (checked against
 # Transformers 5.23-5.24): they can process every position of a block in one vectorised call.
 POSITION_INDEPENDENT_PROCESSORS = (
@@ -72,46 +75,6 @@ def greedy_tokens(logits: torch.Tensor) -> torch.LongTensor:
     """Argmax over the vocabulary, first index on ties like `argmax`. `max(-1).indices` is ~3x
     faster than `argmax(-1)` for (k, 49152) float32 on CPU (torch 2.13)."""
     return logits.max(-1).indices
-
-
-def accepted_lengths(draft_tokens: torch.LongTensor, target_tokens: torch.LongTensor) -> torch.LongTensor:
-    """How many drafts each row keeps: the longest prefix the target agrees with (the one acceptance rule).
-
-    draft_tokens (B, k); target_tokens (B, >= k): the target's choice after each prefix. Returns (B,) in 0..k.
-    """
-    mismatch = (draft_tokens != target_tokens[:, : draft_tokens.shape[1]]).int()
-    return (mismatch.cumsum(-1) == 0).sum(-1)
-
-
-def speculative_sample(
-    draft_tokens: torch.LongTensor,
-    draft_probs: torch.Tensor,
-    target_probs: torch.Tensor,
-    generator: torch.Generator | None = None,
-) -> torch.LongTensor:
-    """Leviathan et al. rejection sampling: the output is distributed exactly as the target samples.
-
-    draft_tokens (1, k) were sampled from draft_probs (1, k, V); target_probs (1, k+1, V).
-    Draft i is kept with probability min(1, p_i/q_i); the first rejected slot is resampled from
-    normalise(max(p_i - q_i, 0)); if all are kept, a bonus token is sampled from p_k.
-    Returns (1, n+1).
-    """
-    k = draft_tokens.shape[1]
-    index = draft_tokens[0]
-    p = target_probs[0, torch.arange(k), index]
-    q = draft_probs[0, torch.arange(k), index]
-    uniform = torch.rand(k, device=p.device, generator=generator)
-    rejected = (uniform * q >= p).nonzero()
-    if rejected.numel() == 0:
-        bonus = torch.multinomial(target_probs[0, k], 1, generator=generator)
-        return torch.cat([draft_tokens[0], bonus])[None]
-    n = int(rejected[0, 0])
-    residual = (target_probs[0, n] - draft_probs[0, n]).clamp_min(0)
-    total = residual.sum()
-    # q == p at this slot up to rounding: the residual vanishes, p itself is the right distribution
-    residual = residual / total if total > 0 else target_probs[0, n]
-    correction = torch.multinomial(residual, 1, generator=generator)
-    return torch.cat([draft_tokens[0, :n], correction])[None]
 
 
 def sample_rows(drafts: torch.LongTensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor):
