@@ -384,7 +384,9 @@ def test_duplicate_layer_ids_on_the_command_line_are_refused(capsys):
     assert stop.value.code == 2 and "distinct 0-based layer ids" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("path", sorted(Path(__file__).resolve().parents[1].glob("configs/*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", sorted(Path(__file__).resolve().parents[1].glob("configs/*.yaml")), ids=lambda p: p.name
+)
 def test_committed_configs_pass_the_strict_reader(path):
     config = load_train_config(path)
     assert config["training"]["output_dir"].startswith("out/")  # never a shipped folder
