@@ -3,7 +3,6 @@
 import importlib.util
 import json
 import os
-import time
 import types
 from pathlib import Path
 
@@ -153,10 +152,8 @@ def test_real_target_second_call_hits_cache(real_target, real_cache_dir, monkeyp
         raise AssertionError("the cached folder should have been used")
 
     monkeypatch.setattr(models, "convert_gguf", no_conversion)
-    start = time.perf_counter()
+    # no_conversion proves the cached folder was used (no timing: a loaded machine makes any bound flaky)
     again, tokenizer_again = load_target(NAME, dtype="float32")  # cache dir from $HF_DFLASH_CACHE (set by the fixture)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 10.0, f"cached load took {elapsed:.1f} s"
     assert Path(real_cache_dir, NAME, MARKER_FILE).is_file()
     for (key, value), (key_again, value_again) in zip(model.state_dict().items(), again.state_dict().items()):
         assert key == key_again and torch.equal(value, value_again), key

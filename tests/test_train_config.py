@@ -305,11 +305,11 @@ def test_training_refuses_an_output_dir_it_did_not_make(run_config, tmp_path):
     copy = tmp_path / "copy-of-shipped"
     shutil.copytree(SHIPPED, copy, ignore=shutil.ignore_patterns("model.safetensors"))
     (copy / "model.safetensors").write_bytes(b"the shipped weights")
-    before = {path.name: path.read_bytes() for path in copy.iterdir()}
+    before = {path: path.read_bytes() for path in copy.rglob("*") if path.is_file()}
     config["training"]["output_dir"] = str(copy)
     with pytest.raises(ValueError, match=r"was not made by hf-dflash train \(it holds README.md, benchmark.json"):
         train_from_config(config)
-    assert {path.name: path.read_bytes() for path in copy.iterdir()} == before
+    assert {path: path.read_bytes() for path in copy.rglob("*") if path.is_file()} == before
 
 
 def test_training_locks_its_output_dir_and_marks_it_as_its_own(run_config, tmp_path):
