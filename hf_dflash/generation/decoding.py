@@ -246,7 +246,6 @@ class DecodingLoop:
                     stacklevel=2,
                 )
                 self.trees = None
-        self.forward = verification_forward(self.target, self.generation_config, model_kwargs)
         self.target_mask = input_ids.new_zeros(batch, 0)  # (B, T) validity of the target cache's slots
         self.context, self.context_mask = None, None  # target features the drafter has not read yet
 
@@ -356,7 +355,7 @@ class DecodingLoop:
         model_inputs |= self.hidden_request
         if tree is not None:  # each node sees the context and its ancestors, at position root + depth
             model_inputs |= tree_inputs(self.target, model_inputs, tree, self.target_mask.shape[1])
-        return (self.target if prefill else self.forward)(**model_inputs)
+        return self.target(**model_inputs)
 
     def accept(self, prefixes, drafts: Drafts, tree: DraftTree | None, outputs) -> Verdict:
         """The tokens each row commits, as the target decides. A tree's outputs come laid out along its
@@ -463,17 +462,6 @@ class DecodingLoop:
         if needs_compaction(self.target_mask):
             self.target_mask = compact_cache(self.cache, self.target_mask)
         return True
-
-
-def verification_forward(target: PreTrainedModel, generation_config: GenerationConfig, model_kwargs: dict):
-    """The target's forward for the rounds after the prefill: compiled exactly where Transformers' own
-    decoding compiles its step (a compilable cache such as `cache_implementation="static"`, on an
-    accelerator or with `compile_config._compile_all_devices`; see `_valid_auto_compile_criteria`), eager
-    otherwise. The prefill stays eager, as in Transformers. Each verification length is one graph: a fixed
-    block size keeps it to a few."""
-    if target._valid_auto_compile_criteria(model_kwargs, generation_config):
-        return target.get_compiled_call(generation_config.compile_config)
-    return target
 
 
 def tree_inputs(model, model_inputs: dict, tree: DraftTree, past: int) -> dict:
