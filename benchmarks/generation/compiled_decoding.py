@@ -1,18 +1,20 @@
-"""Does a static cache with `torch.compile` pay on this machine? Plain and DFlash decoding, eager vs compiled.
+"""Does a static cache with `torch.compile` pay on this machine? Plain decoding eager vs compiled, beside DFlash.
 
 For each dtype, on the same chat prompts (`--sets`, `--num-prompts` each), greedy, `--max-new-tokens`:
 
 - `plain`: `generate` as users call it (DynamicCache, eager);
 - `plain-compiled`: a StaticCache of `STATIC_CACHE_LENGTH` slots and Transformers' own compiled decoding step
   (`compile_config`, forced on CPU);
-- `dflash`: our loop with the shipped drafter at a fixed block (`--block-size`, default the drafter's);
-- `dflash-compiled`: the same with a StaticCache, the verification forward compiled (one graph per length).
+- `dflash`: our loop with the shipped drafter at a fixed block (`--block-size`, default the drafter's).
+
+A compiled verification forward in our loop was measured with commit ed7e7bd (reverted: τ fell and it was
+slower; docs/results/generation/compiled_decoding_experiment.json).
 
 Methods alternate per prompt (order rotated). Each method's first calls (the first prompt, untimed, at full
 length and at 4 tokens: the block's verification length and the shorter ones of a generation's last rounds)
 pay its compile and are reported apart (`warmup_s`). Every output is compared with `plain` token for token.
 
-    python benchmarks/generation/compiled_decoding.py --out docs/results/generation/compiled_decoding.json
+    python benchmarks/generation/compiled_decoding.py --num-prompts 1 --out out/compiled_decoding.json
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from hf_dflash.dtypes import cpu_flags
 from hf_dflash.json_files import write_json_atomic
 from hf_dflash.models import load_target
 
-METHODS = ("plain", "plain-compiled", "dflash", "dflash-compiled")
+METHODS = ("plain", "plain-compiled", "dflash")
 STATIC_CACHE_LENGTH = 1024
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -46,7 +48,7 @@ def compile_config() -> CompileConfig:
 
 def method_kwargs(method: str, target, drafter) -> dict:
     kwargs = {"assistant_model": drafter} if method.startswith("dflash") else {}
-    if method.endswith("compiled"):
+    if method == "plain-compiled":
         cache = StaticCache(config=target.config, max_cache_len=STATIC_CACHE_LENGTH)
         kwargs |= {cache_keyword(target): cache, "compile_config": compile_config()}
     return kwargs
@@ -94,7 +96,7 @@ def main() -> None:
         tokens = dict.fromkeys(METHODS, 0)
         seconds = dict.fromkeys(METHODS, 0.0)
         identical = dict.fromkeys(METHODS, True)
-        accepted: dict[str, list[int]] = {"dflash": [], "dflash-compiled": []}
+        accepted: dict[str, list[int]] = {"dflash": []}
         for index, messages in enumerate(prompts):
             inputs = chat_inputs(tokenizer, messages, target.device)
             runs = {}
