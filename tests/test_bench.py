@@ -129,7 +129,7 @@ def test_report_has_every_field_and_all_methods_equal_plain_greedy_in_fp32(greed
                 assert stats["tau"] == pytest.approx(
                     sum(t * count for t, count in enumerate(stats["histogram"], 1)) / stats["rounds"]
                 )
-            if method == "hybrid":
+            if method in ("hybrid", "hybrid-tree"):
                 assert sum(stats["branch_shares"].values()) == pytest.approx(1.0)
                 assert stats["branch_shares"]["bonus"] == pytest.approx(1 / stats["tau"])
                 costs = stats["round_costs"]
@@ -207,19 +207,29 @@ def test_builtin_and_lookup_rounds_read_off_the_forwards(monkeypatch):
     plain = target.generate(**inputs, **kwargs)
     drafter = OracleDrafter(make_drafter(target, block_size=4).config, target.lm_head.weight, plain).eval()
     drafter.block_size_policy = 4  # hybrid: the whole block in every tree (the default budget times the machine)
-    runs = {method: generate_with(method, target, drafter, inputs, kwargs) for method in METHODS}
+    runs, acceptance = {}, {}
+    for method in METHODS:
+        runs[method] = generate_with(method, target, drafter, inputs, kwargs)
+        acceptance[method] = getattr(drafter, "last_acceptance", None)
     assert all(torch.equal(run.sequences, plain) for run in runs.values())
     assert runs["builtin"].acceptance_lengths == runs["dflash"].acceptance_lengths
     assert max(runs["dflash"].acceptance_lengths) == 4
     assert sum(runs["builtin"].acceptance_lengths) == 30 - 1 and sum(runs["lookup"].acceptance_lengths) == 30
     assert runs["plain"].acceptance_lengths is None
     assert sum(runs["tree"].acceptance_lengths) == 30 - 1 and max(runs["tree"].acceptance_lengths) == 4
-    hybrid = runs["hybrid"]
-    prefill_token = not drafter.last_acceptance.first_round_in_prefill  # the prefill verified n-gram drafts, or not
-    assert sum(hybrid.acceptance_lengths) == sum(hybrid.branches.values()) == 30 - prefill_token
-    assert hybrid.branches["block"] + hybrid.branches["shared"] > 0  # the always-right block is accepted
-    assert [size for size, _ in hybrid.round_costs] == drafter.last_acceptance.tree_sizes[1 - prefill_token :]
-    assert all(seconds > 0 for _, seconds in hybrid.round_costs)
+    for method in ("hybrid", "hybrid-tree"):
+        hybrid = runs[method]
+        stats = acceptance[method]
+        prefill_token = not stats.first_round_in_prefill  # the prefill verified n-gram drafts, or not
+        assert sum(hybrid.acceptance_lengths) == sum(hybrid.branches.values()) == 30 - prefill_token
+        assert hybrid.branches["block"] + hybrid.branches["shared"] > 0  # the always-right block is accepted
+        assert [size for size, _ in hybrid.round_costs] == stats.tree_sizes[1 - prefill_token :]
+        assert all(seconds > 0 for _, seconds in hybrid.round_costs)
+    # hybrid-tree grafts the n-gram branch onto the drafter's 8-node tree: the same rounds, bigger trees
+    sizes = {method: acceptance[method].tree_sizes for method in ("hybrid", "hybrid-tree")}
+    assert len(sizes["hybrid"]) == len(sizes["hybrid-tree"])
+    assert all(grown >= plain for plain, grown in zip(sizes["hybrid"], sizes["hybrid-tree"], strict=True))
+    assert sum(sizes["hybrid-tree"]) > sum(sizes["hybrid"])
 
 
 def test_recorder_without_position_ids_fails_loudly():

@@ -7,6 +7,7 @@
     hybrid   ... assistant_model=drafter, prompt_lookup_num_tokens=10  DFlash block + n-gram drafts as one tree
     tree     ... assistant_model=drafter with drafter.draft_tree = "auto"  the drafter's own draft tree, sized
              by the measured cost of verification
+    hybrid-tree  hybrid with drafter.draft_tree = "auto": the n-gram branch grafted onto the drafter's tree
     plain-alt  plain decoding with the target in the OTHER dtype (bf16 <-> fp32)
     plain-compiled  plain decoding with a StaticCache and Transformers' automatic `torch.compile` of the
              decoding step (`compile_config`, also on CPU); the cache length is a multiple of
@@ -21,8 +22,8 @@ round before it committed). DFlash's prefill drafts nothing (it only produces th
 for both DFlash loops the prefill is not a round; prompt lookup drafts from the prompt in its very first
 forward, so there it is one.
 
-Hybrid runs also report where their committed tokens came from (`Generation.branches`); hybrid and tree
-runs, per round, the tree's size and the wall time of its target forward (`Generation.round_costs`, timed
+Hybrid runs (with or without the drafter's tree) also report where their committed tokens came from
+(`Generation.branches`); they and tree runs, per round, the tree's size and the wall time of its target forward (`Generation.round_costs`, timed
 with forward hooks on the target).
 """
 
@@ -41,6 +42,8 @@ __all__ = [
     "METHODS",
     "PLAIN_METHODS",
     "PROMPT_LOOKUP_NUM_TOKENS",
+    "HYBRID_METHODS",
+    "TREE_METHODS",
     "ForwardRecorder",
     "ForwardTimer",
     "Generation",
@@ -50,8 +53,11 @@ __all__ = [
     "max_round_length",
 ]
 
-METHODS = ("plain", "dflash", "builtin", "lookup", "tree", "hybrid", "plain-alt", "plain-compiled")
-TREE_SETTING = "auto"  # drafter.draft_tree of the "tree" method
+METHODS = ("plain", "dflash", "builtin", "lookup", "tree", "hybrid", "hybrid-tree", "plain-alt", "plain-compiled")
+TREE_SETTING = "auto"  # drafter.draft_tree of the "tree" and "hybrid-tree" methods
+TREE_METHODS = ("tree", "hybrid-tree")  # the drafter drafts its own tree
+HYBRID_METHODS = ("hybrid", "hybrid-tree")  # DFlash drafts + an n-gram branch, one tree
+OWN_LOOP_METHODS = ("dflash", *TREE_METHODS, "hybrid")  # rounds reported by the drafter (our loop)
 PLAIN_METHODS = ("plain", "plain-alt", "plain-compiled")  # no drafting: the candidates for the baseline
 STATIC_CACHE_LENGTH = 2048  # plain-compiled: cache lengths are multiples of this (one graph per multiple)
 PROMPT_LOOKUP_NUM_TOKENS = 10
@@ -160,7 +166,7 @@ def compiled_plain_kwargs(target, length: int) -> dict:
 
 def method_kwargs(method: str, drafter: torch.nn.Module | None) -> dict:
     """The `generate` keyword arguments that select `method` (plain-compiled: see `compiled_plain_kwargs`)."""
-    if method in ("dflash", "builtin", "hybrid", "tree") and drafter is None:
+    if method in (*OWN_LOOP_METHODS, "builtin") and drafter is None:
         raise ValueError(f"Method {method!r} needs a drafter.")
     return {
         "plain-compiled": {},
@@ -171,6 +177,7 @@ def method_kwargs(method: str, drafter: torch.nn.Module | None) -> dict:
         "builtin": {"assistant_model": drafter, "speculation_type": "dflash"},
         "lookup": {"prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS},
         "hybrid": {"assistant_model": drafter, "prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS},
+        "hybrid-tree": {"assistant_model": drafter, "prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS},
     }[method]
 
 
@@ -193,10 +200,10 @@ def generate_with(method: str, target, drafter, inputs: dict[str, torch.Tensor],
     prompt_length = inputs["input_ids"].shape[1]
     # Only the methods whose rounds are read off the forwards pay for the hook (a few µs per forward).
     recorder = ForwardRecorder(target) if method in ("builtin", "lookup") else nullcontext()
-    timer = ForwardTimer(target) if method in ("hybrid", "tree") else nullcontext()
+    timer = ForwardTimer(target) if method in (*HYBRID_METHODS, *TREE_METHODS) else nullcontext()
     tree_setting = getattr(drafter, "draft_tree", None) if drafter is not None else None
-    if drafter is not None:  # only the tree method drafts trees
-        drafter.draft_tree = TREE_SETTING if method == "tree" else None
+    if drafter is not None:  # only the tree methods draft trees
+        drafter.draft_tree = TREE_SETTING if method in TREE_METHODS else None
     try:
         with recorder, timer:
             _synchronize(target.device)
@@ -214,16 +221,16 @@ def generate_with(method: str, target, drafter, inputs: dict[str, torch.Tensor],
     branches = round_costs = block_sizes = None
     if method in PLAIN_METHODS:
         lengths = None
-    elif method in ("dflash", "hybrid", "tree"):
+    elif method in OWN_LOOP_METHODS:
         lengths = list(drafter.last_acceptance.acceptance_lengths)
         block_sizes = list(drafter.last_acceptance.block_sizes)
     else:
         lengths = recorder.committed_per_forward(prompt_length, sequences.shape[1])
         if method == "builtin":
             lengths = lengths[1:]  # the prefill only produces the drafter's context features
-    if method in ("hybrid", "tree"):
+    if method in (*HYBRID_METHODS, *TREE_METHODS):
         stats = drafter.last_acceptance
-        branches = branch_tokens(stats) if method == "hybrid" else None
+        branches = branch_tokens(stats) if method in HYBRID_METHODS else None
         # one forward per round after the prefill (the last ones: a first call also times the cost model); a
         # prefill that verified n-gram drafts is a round but not a tree forward like the others: left out
         sizes = stats.tree_sizes[1:] if stats.first_round_in_prefill else stats.tree_sizes

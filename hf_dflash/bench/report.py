@@ -34,6 +34,7 @@ from pathlib import Path
 
 from ..hub_cards.schemas import BENCHMARK_NAME
 from .card import benchmark_card
+from .methods import HYBRID_METHODS
 from .runner import Sample
 from .summary import OVERALL
 
@@ -133,8 +134,9 @@ def format_table(report: dict) -> str:
         text.append(f"plain-compiled: compiled in its warm-up call ({warmups['plain-compiled']:.1f} s, not in tok/s)")
     if report["settings"].get("prompts_run"):
         text.append("prompts run: " + prompts_run_line(report["settings"]["prompts_run"]))
-    if "hybrid" in report["methods"]:
-        text += ["", format_hybrid_table(report)]
+    for method in HYBRID_METHODS:
+        if method in report["methods"]:
+            text += ["", format_hybrid_table(report, method)]
     for divergence in report["divergences"]:
         text.append(
             f"divergence: {divergence['set']} {divergence['prompt_id']} turn {divergence['turn']} "
@@ -154,16 +156,20 @@ def _columns(lines: list[tuple[str, ...]]) -> list[str]:
     return text
 
 
-def format_hybrid_table(report: dict) -> str:
-    """Hybrid drafting per set: where its committed tokens came from, its tree and forward cost per round,
-    and its speed-up against the better of DFlash and prompt lookup; then target forward time by tree size."""
+HYBRID_RIVALS = {"hybrid": ("dflash", "lookup"), "hybrid-tree": ("tree", "hybrid")}  # what each must beat
+
+
+def format_hybrid_table(report: dict, method: str = "hybrid") -> str:
+    """A hybrid method per set: where its committed tokens came from, its tree and forward cost per round,
+    and its speed-up against the best of its rivals (hybrid: DFlash and prompt lookup; hybrid-tree: the
+    drafter's tree and hybrid); then target forward time by tree size."""
     header = ("set", "τ", "block", "n-gram", "both", "bonus", "nodes/round", "forward ms", "speedup",
               "best other", "ratio")  # fmt: skip
     lines = [header]
     for name, row in {**report["sets"], OVERALL: report[OVERALL]}.items():
-        stats = row["methods"]["hybrid"]
+        stats = row["methods"][method]
         shares, costs = stats["branch_shares"] or {}, stats["round_costs"]
-        others = [(row["methods"][m]["speedup"], m) for m in ("dflash", "lookup") if m in row["methods"]]
+        others = [(row["methods"][m]["speedup"], m) for m in HYBRID_RIVALS[method] if m in row["methods"]]
         others = [(value, m) for value, m in others if value is not None]
         best = max(others) if others else None
         lines.append(
@@ -179,10 +185,11 @@ def format_hybrid_table(report: dict) -> str:
             )
         )
     text = [
-        "hybrid: committed tokens by origin, cost per round, and against the better of dflash/lookup",
+        f"{method}: committed tokens by origin, cost per round, and against the better of "
+        + "/".join(HYBRID_RIVALS[method]),
         *_columns(lines),
     ]
-    by_size = report[OVERALL]["methods"]["hybrid"]["round_costs"]["by_tree_size"]
+    by_size = report[OVERALL]["methods"][method]["round_costs"]["by_tree_size"]
     buckets = [("tree nodes", "rounds", "target forward ms")]
     for low, high in TREE_SIZE_BUCKETS:
         inside = [value for size, value in by_size.items() if low <= int(size) <= high]
@@ -192,5 +199,5 @@ def format_hybrid_table(report: dict) -> str:
             label = str(low) if low == high else f"{low}-{high}" if high < 10**6 else f">= {low}"
             buckets.append((label, str(rounds), f"{milliseconds:.1f}"))
     if len(buckets) > 1:
-        text += ["", "hybrid rounds by tree size (overall)", *_columns(buckets)]
+        text += ["", f"{method} rounds by tree size (overall)", *_columns(buckets)]
     return "\n".join(text)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .methods import PLAIN_METHODS, max_round_length
+from .methods import HYBRID_METHODS, PLAIN_METHODS, TREE_METHODS, max_round_length
 from .runner import Sample
 
 __all__ = ["OVERALL", "histogram", "summarize", "summarize_samples"]
@@ -56,9 +56,9 @@ def summarize_method(samples: list[Sample], method: str, block_size: int, plain_
             "rounds": len(lengths),
             "histogram": histogram(lengths, max_round_length(method, block_size)),
         }
-    if method == "hybrid":
+    if method in HYBRID_METHODS:
         summary |= {"branch_shares": branch_shares(mine)}
-    if method in ("hybrid", "tree"):
+    if method in (*HYBRID_METHODS, *TREE_METHODS):
         summary |= {"round_costs": round_costs(mine)}
     return summary
 
