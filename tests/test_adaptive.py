@@ -179,7 +179,7 @@ def test_unwritable_cost_model_cache_only_warns(tmp_path):
     assert measure.calls == [1] and model.block_lengths == (1, 2, 4)
 
 
-def test_cost_model_fingerprint_separates_models_and_machines(tmp_path):
+def test_cost_model_fingerprint_separates_models_and_machines(tmp_path, monkeypatch):
     target = make_target("llama")
     drafter = make_drafter(target, block_size=8)
     key = cost_model_key(target, drafter)
@@ -197,6 +197,9 @@ def test_cost_model_fingerprint_separates_models_and_machines(tmp_path):
         cost_model_key(make_target("llama").to(torch.bfloat16), make_drafter(target, block_size=8).to(torch.bfloat16)),
         other_threads,
     ]
+    # verification timed after another context length: measured again, not read from the old file
+    monkeypatch.setattr("hf_dflash.generation.cost_timing.VERIFICATION_CONTEXT", 64)
+    others.append(cost_model_key(target, drafter))
     paths = {cost_model_path(k, tmp_path) for k in [key, *others]}
     assert len(paths) == len(others) + 1
 

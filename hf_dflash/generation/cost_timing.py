@@ -30,6 +30,12 @@ from .tree import tree_attention_bias
 logger = logging.getLogger(__name__)
 
 COST_MODEL_FORMAT = 1  # verification_* fields are optional: files without them stay valid
+# Verification passes are timed after this many context tokens (part of the cache key). A served round
+# verifies after the prompt and the answer so far, and a tree's attention grows with nodes x context:
+# timed after 64 tokens, 48-node trees looked as cheap as 24-node ones and "auto" chose them, where served
+# they cost 1.5x an 8-node pass; after 256, "auto" matched the best fixed size
+# (benchmarks/generation/tree_budget.py, docs/results.md "Draft-tree budget").
+VERIFICATION_CONTEXT = 256
 
 
 def _synchronize(device: torch.device) -> None:
@@ -111,7 +117,7 @@ def measure_verification_seconds(
     drafter: DFlashDraftModel,
     rows: int,
     lengths: Sequence[int],
-    context_length: int = 32,
+    context_length: int = VERIFICATION_CONTEXT,
     repeats: int = 5,
 ) -> tuple[float, ...]:
     """Seconds of one target verification pass over n tokens (`time_in_turn`), per n in `lengths`, as a draft
@@ -158,7 +164,8 @@ def device_name(device: torch.device) -> str:
 
 
 def cost_model_key(target: PreTrainedModel, drafter: DFlashDraftModel) -> dict:
-    """What the round cost depends on: both configs, device, dtypes, torch version and CPU threads."""
+    """What the round cost depends on: both configs, device, dtypes, torch version and CPU threads (and the
+    context its verification passes are timed after)."""
     return {
         "target_config": config_digest(target.config),
         "drafter_config": config_digest(drafter.config),
@@ -166,6 +173,7 @@ def cost_model_key(target: PreTrainedModel, drafter: DFlashDraftModel) -> dict:
         "dtype": f"{target.dtype}/{drafter.dtype}".replace("torch.", ""),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "verification_context": VERIFICATION_CONTEXT,
     }
 
 

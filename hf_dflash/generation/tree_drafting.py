@@ -24,6 +24,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..modeling_dflash import DFlashDraftModel
+from .cost_model import CostModel
 from .cost_timing import measured_cost_model
 from .tree import DraftTree, best_first_tree
 
@@ -85,6 +86,14 @@ class TreeDrafting:
         self.predicted = CALIBRATION_DECAY * self.predicted + self.expected
 
 
+def auto_tree_drafting(cost: CostModel, block_size: int) -> TreeDrafting:
+    """Trees of up to `AUTO_MAX_NODES` nodes sized each round by `cost` (batch 1): a round of n nodes costs
+    the drafter's pass (a round at the trained block minus its verification) + the verification of n."""
+    verify = cost.verification_seconds_per_length(1, max(AUTO_MAX_NODES, block_size))
+    drafting = cost.round_seconds(1, block_size)[-1] - verify[block_size - 1]  # the drafter's pass
+    return TreeDrafting(AUTO_MAX_NODES, seconds=drafting.clamp_min(0) + verify[:AUTO_MAX_NODES])
+
+
 def tree_drafting(drafter: DFlashDraftModel, target: PreTrainedModel) -> TreeDrafting | None:
     """The tree setting of one `generate` call from `drafter.draft_tree`: None (chains), an int N >= 2 (trees
     of up to N nodes), "auto" (up to `AUTO_MAX_NODES`, sized by the measured cost curve), or a
@@ -94,10 +103,7 @@ def tree_drafting(drafter: DFlashDraftModel, target: PreTrainedModel) -> TreeDra
         return setting
     if isinstance(setting, str) and setting == "auto":
         cost = measured_cost_model(target, drafter, (1,), verification=True, max_verified_tokens=AUTO_MAX_NODES)
-        block_size = drafter.config.block_size
-        verify = cost.verification_seconds_per_length(1, max(AUTO_MAX_NODES, block_size))
-        drafting = cost.round_seconds(1, block_size)[-1] - verify[block_size - 1]  # the drafter's pass
-        return TreeDrafting(AUTO_MAX_NODES, seconds=drafting.clamp_min(0) + verify[:AUTO_MAX_NODES])
+        return auto_tree_drafting(cost, drafter.config.block_size)
     if isinstance(setting, int) and not isinstance(setting, bool) and setting >= 2:
         return TreeDrafting(setting)
     raise ValueError(
