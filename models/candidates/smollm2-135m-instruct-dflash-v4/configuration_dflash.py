@@ -1,0 +1,440 @@
+"""Configuration of a DFlash block-diffusion drafter.
+
+Self-contained (imports only `transformers`): this file is copied verbatim into Hub repositories as
+remote code, next to `modeling_dflash.py`.
+"""
+
+import numbers
+
+from transformers import PreTrainedConfig
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# A checkpoint's config.json must state these: the class defaults describe Qwen3-8B, and a drafter
+# run with another mask row or other target layers drafts garbage without any error.
+CHECKPOINT_REQUIRED_FIELDS = ("mask_token_id", "target_layer_ids")
+SILENT_FALLBACK = "engines and older loaders silently fall back to a default and acceptance collapses with no error"
+# Official-layout (model_type "qwen3" + dflash_config) fields copied as they are.
+OFFICIAL_DECODER_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "initializer_range",
+    "attention_bias",
+    "attention_dropout",
+    "layer_types",
+    "sliding_window",
+    "vocab_size",
+    "num_target_layers",
+    "target_hidden_size",
+)
+OFFICIAL_REQUIRED_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+    "num_target_layers",
+)
+# z-lab's DFlash2 (dynamic convolutions and a candidate selector around each layer): a different model.
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# z-lab's logit/embedding transforms (their defaults are no-ops); this drafter implements none of them.
+NEUTRAL_TRANSFORMS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
+
+
+def default_target_layer_ids(num_target_layers: int, num_target_features: int) -> list[int]:
+    """0-based target decoder layers whose outputs the drafter reads.
+
+    One feature: the middle layer. Several: spread evenly from layer 1 to layer L-3, e.g.
+    L=36, n=5 -> [1, 9, 17, 25, 33]; L=30 -> [1, 8, 14, 20, 27].
+    """
+    if num_target_features < 1:
+        raise ValueError(f"num_target_features must be >= 1, got {num_target_features}.")
+    if num_target_features == 1:
+        return [num_target_layers // 2]
+    if num_target_layers - 4 < num_target_features - 1:
+        raise ValueError(
+            f"A target with {num_target_layers} layers is too shallow to spread {num_target_features} "
+            "distinct features over layers 1..L-3; pass target_layer_ids explicitly or fewer features."
+        )
+    step = (num_target_layers - 4) / (num_target_features - 1)
+    return [round(1 + i * step) for i in range(num_target_features)]
+
+
+def check_checkpoint_fields(config_dict: dict, source: str = "config.json") -> None:
+    """Raise a `ValueError` when a Hub-format config dict lacks `mask_token_id`, `target_layer_ids` or its
+    RoPE settings (`rope_parameters`, or an older `rope_theta`): each would fall back to a class default."""
+    for field in CHECKPOINT_REQUIRED_FIELDS:
+        if config_dict.get(field) is None:
+            raise ValueError(
+                f"{source} has no {field}: the class default would be used silently, and {SILENT_FALLBACK}. "
+                f"Set {field} to the value the drafter was trained with."
+            )
+    if config_dict.get("rope_parameters") is None and config_dict.get("rope_theta") is None:
+        raise ValueError(
+            f"{source} has no rope_parameters (nor rope_theta): the default base differs per format (1e6, 1e5, "
+            '1e4) and a wrong one costs acceptance with no error. Set rope_parameters: {"rope_type": "default", '
+            '"rope_theta": <the base the drafter was trained with, normally its target\'s>}.'
+        )
+
+
+def rope_parameters_from_config(config: dict, source: str = "config.json", fallback: dict | None = None) -> dict:
+    """rope_parameters from a Transformers >= 5 config dict, or from older rope_theta + rope_scaling;
+    without a RoPE base there, `fallback`'s (a section that keeps it elsewhere), else a ValueError: the
+    formats' defaults differ (1e4, 1e5, 1e6) and a wrong base costs acceptance silently."""
+    if isinstance(config.get("rope_parameters"), dict):
+        rope = dict(config["rope_parameters"])
+        if "full_attention" in rope and isinstance(rope["full_attention"], dict):
+            rope = dict(rope["full_attention"])
+    else:
+        rope = dict(config.get("rope_scaling") or {})
+        if "type" in rope:
+            rope.setdefault("rope_type", rope.pop("type"))
+    rope.setdefault("rope_type", "default")
+    theta = rope.get("rope_theta", config.get("rope_theta"))
+    if theta is None and fallback is not None:
+        theta = rope_parameters_from_config(fallback, source).get("rope_theta")
+    if theta is None:
+        raise ValueError(
+            f"{source}: no rope_theta (neither rope_parameters.rope_theta nor rope_theta): the default base differs "
+            "per format (1e4, 1e5, 1e6) and a wrong one costs acceptance with no error. Add the base the drafter "
+            "was trained with (normally its target's rope_theta)."
+        )
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise ValueError(f"{source}: rope_theta={theta!r} must be a positive number.")
+    rope["rope_theta"] = float(theta)
+    return rope
+
+
+def strict_int(value, name: str, low: int | None = None) -> int:
+    """`value` when it is an integer (not a bool, a float or a string) of at least `low`; else a ValueError
+    naming `name`: config values are never coerced (a float truncated, `true` read as 1)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name}={value!r} must be an integer, got {type(value).__name__}.")
+    if low is not None and value < low:
+        raise ValueError(f"{name}={value!r} must be >= {low}.")
+    return int(value)
+
+
+def _official_sliding_semantics(config: dict, dflash: dict, source: str) -> bool:
+    """`sliding_window_non_causal` of an official config: ours (in dflash_config), or z-lab's `is_causal`
+    (None: sliding layers causal, False: every layer bidirectional); default False (SpecForge)."""
+    ours = dflash.get("sliding_window_non_causal", config.get("sliding_window_non_causal"))
+    is_causal = config.get("is_causal")
+    if is_causal is True:
+        raise ValueError(
+            f"{source}: is_causal=true makes every draft layer causal, full-attention ones included; DFlash "
+            "drafters are bidirectional inside the block, so this checkpoint cannot be served here."
+        )
+    if is_causal is False and ours is False:
+        raise ValueError(
+            f"{source}: is_causal=false (bidirectional sliding layers) contradicts "
+            "sliding_window_non_causal=false; keep one of them."
+        )
+    return bool(ours) or is_causal is False
+
+
+def dflash_kwargs_from_official(config: dict, source: str = "config.json") -> dict:
+    """`DFlashConfig` keyword arguments from an official / SpecForge / z-lab config dict
+    (`model_type: "qwen3"`, `dflash_config: {mask_token_id, target_layer_ids[, block_size]}`).
+
+    Raises a `ValueError` naming the field for a missing or conflicting DFlash field, a DFlash2
+    checkpoint, or a logit/embedding transform this drafter does not implement.
+    """
+    model_type = config.get("model_type")
+    if model_type != "qwen3":
+        raise ValueError(f"{source}: official DFlash checkpoints have model_type 'qwen3', got {model_type!r}.")
+    dflash = config.get("dflash_config")
+    if dflash is None:
+        dflash = {}
+    if not isinstance(dflash, dict):
+        raise ValueError(f"{source}: dflash_config must be a JSON object, got {dflash!r}.")
+    dflash2 = [field for field in DFLASH2_FIELDS if field in dflash or field in config]
+    if dflash2 or "DFlash2DraftModel" in (config.get("architectures") or []):
+        raise ValueError(
+            f"{source} is a DFlash2 checkpoint (DFlash2DraftModel: dynamic convolutions and a candidate "
+            f"selector, fields {dflash2 or DFLASH2_FIELDS}); hf_dflash implements DFlash (arXiv 2602.06036) "
+            "only. Serve it with z-lab/dflash."
+        )
+    for name, neutral in NEUTRAL_TRANSFORMS.items():
+        value = dflash.get(name, config.get(name, neutral))
+        if value != neutral and not (neutral is None and not value):
+            raise ValueError(
+                f"{source}: {name}={value!r} transforms the drafter's embeddings or logits, which this DFlash "
+                f"drafter does not implement (it would draft from different logits); only {neutral!r} is supported."
+            )
+    for field in CHECKPOINT_REQUIRED_FIELDS:
+        if dflash.get(field) is None:
+            found = ""
+            if config.get(field) is not None:
+                found = f" (a top-level {field}={config[field]!r} exists, but engines read dflash_config.{field})"
+            raise ValueError(
+                f"{source}: dflash_config.{field} is missing{found}; {SILENT_FALLBACK}. "
+                f"Set dflash_config.{field} to the value the drafter was trained with."
+            )
+    top, nested = config.get("block_size"), dflash.get("block_size")
+    if top is not None and nested is not None and top != nested:
+        raise ValueError(
+            f"{source}: block_size={top!r} (top-level) disagrees with dflash_config.block_size={nested!r}; "
+            "engines read one or the other, so fix the wrong one."
+        )
+    block_size = top if top is not None else nested
+    if block_size is None:
+        raise ValueError(f"{source}: block_size is missing (neither top-level nor in dflash_config).")
+    missing = [field for field in OFFICIAL_REQUIRED_FIELDS if config.get(field) is None]
+    if missing:
+        raise ValueError(f"{source}: required field(s) {missing} missing from the config.")
+
+    kwargs = {field: config[field] for field in OFFICIAL_DECODER_FIELDS if config.get(field) is not None}
+    kwargs.update(
+        rope_parameters=rope_parameters_from_config(config, source),
+        block_size=block_size,
+        mask_token_id=dflash["mask_token_id"],
+        target_layer_ids=dflash["target_layer_ids"],
+        sliding_window_non_causal=_official_sliding_semantics(config, dflash, source),
+        tie_word_embeddings=False,
+    )
+    if config.get("draft_vocab_size") is not None:  # EAGLE-3 / speculators convention (d2t/t2d in the weights)
+        kwargs["draft_vocab_size"] = config["draft_vocab_size"]
+    return kwargs
+
+
+def choose_mask_token_id(vocab_size: int, tokenizer=None) -> int:
+    """Pick an embedding row to use as the MASK token when the caller gives none.
+
+    The mask embedding must not look like real content, so we prefer, in order:
+    1. the first embedding row the tokenizer can never produce (Qwen3 pads its embedding past the
+       tokenizer: 151669 for a 151669-token tokenizer), when the embedding has such rows;
+    2. a special token that is neither BOS/EOS/PAD/UNK nor used by the chat template (e.g.
+       SmolLM2's `<repo_name>`), so it never occurs in chat data;
+    3. without a tokenizer, the last embedding row: by convention an unused padding row (Qwen) or a
+       reserved special token (Llama 3). Pass `tokenizer=` (or `mask_token_id=`) to be sure.
+    A real token equal to the mask id would only lower acceptance, never break losslessness.
+    """
+    if tokenizer is None:
+        return vocab_size - 1
+    if len(tokenizer) < vocab_size:
+        return len(tokenizer)
+    reserved = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    for token_id in sorted(tokenizer.all_special_ids + list(tokenizer.added_tokens_decoder)):
+        token = tokenizer.convert_ids_to_tokens(token_id)
+        if token_id not in reserved and token_id < vocab_size and token not in template:
+            return token_id
+    return vocab_size - 1
+
+
+class DFlashConfig(PreTrainedConfig):
+    r"""Configuration of a [`DFlashDraftModel`].
+
+    Decoder fields follow Qwen3. DFlash fields:
+        block_size: tokens drafted per round, including the anchor slot (16 in the paper).
+        target_layer_ids: 0-based target decoder layers whose outputs are fused into the context.
+        mask_token_id: target embedding row used for the masked block slots.
+        num_target_layers: number of decoder layers of the target.
+        vocab_size: the target's embedding rows (the drafter borrows its embedding and LM head).
+        target_hidden_size: the target's hidden size (defaults to `hidden_size`).
+        sliding_window_non_causal: the semantics of `sliding_attention` layers. False (default,
+            SpecForge): causal inside the block, windowed on the context. True (vLLM speculators'
+            `sliding_window_non_causal`, z-lab's `is_causal: false`): bidirectional inside the
+            block, still windowed on the context. Full-attention layers are always bidirectional.
+        draft_vocab_size: None (default) drafts over the target's whole vocabulary; N drafts over N
+            target token ids only (the `d2t`/`t2d` buffers of the model say which, as in EAGLE-3 and
+            vLLM speculators), computing N rows of the target's LM head instead of all of them.
+        block_size_policy: the block length per round the drafter's publisher recommends (what hf_dflash's
+            loop uses unless `drafter.block_size_policy` is set): None (the trained `block_size`),
+            "adaptive" (chosen each round from acceptance and the measured cost of this machine), or a
+            fixed k with 2 <= k <= block_size. Other loaders ignore it.
+
+    A config.json must state `mask_token_id` and `target_layer_ids` (`from_dict` raises otherwise);
+    one in the official layout (`model_type: "qwen3"` + `dflash_config`) is translated.
+    The defaults describe a 5-layer drafter for Qwen3-8B (36 layers, hidden 4096).
+    """
+
+    model_type = "dflash"
+    # Serialise every field so the Hub config.json is explicit (no silent defaults for ids).
+    has_no_defaults_at_init = True
+
+    vocab_size: int = 151936
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_hidden_layers: int = 5
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = 8
+    head_dim: int | None = 128
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 40960
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict | None = None
+    attention_bias: bool = False
+    attention_dropout: float | int = 0.0
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    tie_word_embeddings: bool = False
+    block_size: int = 16
+    target_layer_ids: list[int] | None = None
+    mask_token_id: int | None = 151669
+    num_target_layers: int = 36
+    target_hidden_size: int | None = None
+    sliding_window_non_causal: bool = False
+    draft_vocab_size: int | None = None
+    block_size_policy: str | int | None = None
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
+        if self.rope_parameters is None and "rope_theta" not in kwargs and "rope_scaling" not in kwargs:
+            self.rope_parameters = {"rope_type": "default", "rope_theta": 1_000_000.0}
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        if self.target_layer_ids is None:
+            self.target_layer_ids = default_target_layer_ids(self.num_target_layers, 5)
+        if not isinstance(self.target_layer_ids, (list, tuple)):  # a string would be split into characters
+            raise ValueError(
+                f"target_layer_ids={self.target_layer_ids!r} must be a list of 0-based target layer integers."
+            )
+        self.target_layer_ids = [strict_int(i, "target_layer_ids item", 0) for i in self.target_layer_ids]
+        super().__post_init__(**kwargs)
+        self.validate_dflash()
+
+    def validate_dflash(self) -> None:
+        """Raise a `ValueError` naming the first inconsistent DFlash field."""
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 2:
+            raise ValueError(f"block_size must be an int >= 2 (anchor + at least one draft), got {self.block_size!r}.")
+        ids = self.target_layer_ids
+        if not ids:
+            raise ValueError("target_layer_ids is empty; give at least one 0-based target layer index.")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"target_layer_ids {ids} contains duplicates.")
+        bad = [i for i in ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise ValueError(
+                f"target_layer_ids {ids} has {bad} outside [0, num_target_layers={self.num_target_layers}): "
+                "ids are 0-based target decoder layers (hidden_states[i + 1])."
+            )
+        if self.mask_token_id is None:
+            raise ValueError(
+                "mask_token_id is missing: set it to an unused row of the target's embedding "
+                "(see choose_mask_token_id); without it acceptance collapses silently."
+            )
+        strict_int(self.mask_token_id, "mask_token_id")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"mask_token_id={self.mask_token_id} is outside the target embedding [0, vocab_size={self.vocab_size})."
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}."
+            )
+        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - set(LAYER_TYPES):
+            raise ValueError(
+                f"layer_types {self.layer_types} must list one of {LAYER_TYPES} for each of the "
+                f"{self.num_hidden_layers} layers."
+            )
+        if self.draft_vocab_size is not None and (
+            not isinstance(self.draft_vocab_size, int)
+            or isinstance(self.draft_vocab_size, bool)
+            or not 1 <= self.draft_vocab_size <= self.vocab_size
+        ):
+            raise ValueError(
+                f"draft_vocab_size={self.draft_vocab_size!r} must be an int in [1, vocab_size={self.vocab_size}] "
+                "(or None for the whole vocabulary)."
+            )
+        policy = self.block_size_policy
+        fixed = isinstance(policy, int) and not isinstance(policy, bool) and 2 <= policy <= self.block_size
+        if policy is not None and policy != "adaptive" and not fixed:
+            raise ValueError(
+                f"block_size_policy={policy!r} must be None (the trained block size), 'adaptive', or an int k "
+                f"with 2 <= k <= block_size={self.block_size}."
+            )
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set.")
+        if not isinstance(self.sliding_window_non_causal, bool):
+            raise ValueError(
+                f"sliding_window_non_causal must be true or false, got {self.sliding_window_non_causal!r}."
+            )
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs) -> "DFlashConfig":
+        """`PreTrainedConfig.from_dict` (what `from_pretrained` and `AutoConfig` call) that refuses a
+        Hub-format dict without `mask_token_id`/`target_layer_ids` and translates the official layout."""
+        if config_dict.get("model_type") == "qwen3" and "dflash_config" in config_dict:
+            carried = {key: config_dict[key] for key in ("dtype", "torch_dtype") if key in config_dict}
+            config_dict = {**carried, **dflash_kwargs_from_official(config_dict)}
+        else:
+            check_checkpoint_fields({**config_dict, **{k: v for k, v in kwargs.items() if v is not None}})
+        return super().from_dict(config_dict, **kwargs)
+
+    @classmethod
+    def from_target_config(
+        cls,
+        target_config: PreTrainedConfig,
+        num_hidden_layers: int = 5,
+        block_size: int = 16,
+        num_target_features: int | None = None,
+        mask_token_id: int | None = None,
+        tokenizer=None,
+        target_layer_ids: list[int] | None = None,
+        **overrides,
+    ) -> "DFlashConfig":
+        """Derive a drafter config from the target's: sizes, heads, RoPE, vocab and default layer ids.
+
+        `target_layer_ids`, when given, wins over the default spread of `num_target_features`
+        (default 5) features, for a target of any depth; giving both with different counts is an error.
+        `tokenizer` (optional) lets `choose_mask_token_id` pick a provably unused mask row.
+        `overrides` replace any other derived field (e.g. `intermediate_size`).
+        """
+        text = target_config.get_text_config()
+        rope = dict(getattr(text, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10_000.0})
+        if "full_attention" in rope:  # per-layer-type RoPE (Gemma 3): the drafter's layers are global
+            rope = dict(rope["full_attention"])
+        num_heads = text.num_attention_heads
+        if target_layer_ids is None:
+            target_layer_ids = default_target_layer_ids(text.num_hidden_layers, num_target_features or 5)
+        elif num_target_features is not None and num_target_features != len(target_layer_ids):
+            raise ValueError(
+                f"num_target_features={num_target_features} contradicts target_layer_ids={list(target_layer_ids)} "
+                f"({len(target_layer_ids)} features); pass only target_layer_ids."
+            )
+        fields = {
+            "vocab_size": text.vocab_size,
+            "hidden_size": text.hidden_size,
+            "intermediate_size": text.intermediate_size,
+            "num_hidden_layers": num_hidden_layers,
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": getattr(text, "num_key_value_heads", None) or num_heads,
+            "head_dim": getattr(text, "head_dim", None) or text.hidden_size // num_heads,
+            "max_position_embeddings": text.max_position_embeddings,
+            "rms_norm_eps": getattr(text, "rms_norm_eps", 1e-6),
+            "rope_parameters": rope,
+            "block_size": block_size,
+            "num_target_layers": text.num_hidden_layers,
+            "target_hidden_size": text.hidden_size,
+            "target_layer_ids": list(target_layer_ids),
+            "mask_token_id": mask_token_id
+            if mask_token_id is not None
+            else choose_mask_token_id(text.vocab_size, tokenizer),
+        }
+        fields.update(overrides)
+        return cls(**fields)
+
+
+__all__ = [
+    "DFlashConfig",
+    "check_checkpoint_fields",
+    "choose_mask_token_id",
+    "default_target_layer_ids",
+    "dflash_kwargs_from_official",
+    "rope_parameters_from_config",
+]

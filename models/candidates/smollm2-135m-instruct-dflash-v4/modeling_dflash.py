@@ -1,0 +1,325 @@
+"""DFlash block-diffusion drafter (arXiv 2602.06036) built from Transformers' Qwen3 pieces.
+
+Self-contained (imports only `torch`, `transformers` and its sibling config): this file is copied
+verbatim into Hub repositories as remote code.
+
+The drafter has no embedding and no LM head: it borrows the frozen target's. Each forward takes
+  noise_embeds           (B, q, H)   target embeddings of [anchor, MASK x (q-1)]
+  context_hidden_states  (B, C, n*Ht) target hidden states h[i+1] for i in target_layer_ids,
+                                      concatenated, for the C context tokens not yet in `cache`
+and returns `last_hidden_state` (B, q, H); logits = `drafter.draft_logits(last_hidden_state, target_lm_head)`
+(= target_lm_head(last_hidden_state), or over the draft vocabulary only when `draft_vocab_size` is set).
+"""
+
+import torch
+from torch import nn
+from transformers import PreTrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3Attention,
+    Qwen3DecoderLayer,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    eager_attention_forward,
+    rotate_half,
+)
+
+from .configuration_dflash import DFlashConfig
+
+
+def apply_rope(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, heads, T, d) states by cos/sin (B, T, d) of their own positions."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return states * cos + rotate_half(states) * sin
+
+
+def dflash_attention_mask(
+    attention_mask: torch.Tensor | None,
+    query_length: int,
+    key_length: int,
+    sliding_window: int | None,
+    block_causal: bool = True,
+) -> torch.Tensor | None:
+    """Boolean (B or 1, 1, q, kv) mask for block queries over [cached context, new context, block] keys.
+
+    Queries are the last `query_length` keys. Full-attention layers (`sliding_window=None`): every
+    query sees every non-padding key (the block is bidirectional and sees all context). Sliding
+    layers: a key at most `sliding_window - 1` positions before the query; inside the block causal
+    (`block_causal`, SpecForge) or bidirectional (`config.sliding_window_non_causal`). Returns None
+    when nothing is masked, so SDPA runs unmasked.
+    """
+    if sliding_window is None:
+        if attention_mask is None or bool(attention_mask.all()):
+            return None
+        return attention_mask[:, None, None, :key_length].bool().expand(-1, 1, query_length, -1)
+    device = attention_mask.device if attention_mask is not None else None
+    query_index = torch.arange(key_length - query_length, key_length, device=device)[:, None]
+    key_index = torch.arange(key_length, device=device)[None, :]
+    mask = query_index - key_index < sliding_window  # later keys (only block keys) pass this test
+    if block_causal:
+        mask = mask & (key_index <= query_index)
+    mask = mask[None, None]
+    if attention_mask is not None:
+        mask = mask & attention_mask[:, None, None, :key_length].bool()
+    return mask
+
+
+class DFlashAttention(Qwen3Attention):
+    """Qwen3 attention with KV injection: queries come from the block only, keys and values from
+    [context, block] through the same k/v projections; nothing inside the block is causal."""
+
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.is_causal = False
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """hidden_states (B, q, H); context (B, C, H); cos/sin (B, C+q, d) -> (B, q, H)."""
+        batch, query_length = hidden_states.shape[:2]
+        kv_input = torch.cat([context, hidden_states], dim=1)
+        query = self.q_norm(self.q_proj(hidden_states).view(batch, query_length, -1, self.head_dim)).transpose(1, 2)
+        key = self.k_norm(self.k_proj(kv_input).view(batch, kv_input.shape[1], -1, self.head_dim)).transpose(1, 2)
+        value = self.v_proj(kv_input).view(batch, kv_input.shape[1], -1, self.head_dim).transpose(1, 2)
+
+        cos, sin = position_embeddings
+        query = apply_rope(query, cos[:, -query_length:], sin[:, -query_length:])
+        key = apply_rope(key, cos, sin)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+
+        if attention_mask is not None and self.config._attn_implementation == "eager":
+            attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~attention_mask, torch.finfo(query.dtype).min
+            )
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        output, _ = attention(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        return self.o_proj(output.reshape(batch, query_length, -1))
+
+
+class DFlashDecoderLayer(Qwen3DecoderLayer):
+    """Qwen3 pre-norm block whose attention also reads the fused target context."""
+
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.self_attn = DFlashAttention(config, layer_idx)
+
+    def forward(self, hidden_states, context, position_embeddings, attention_mask=None, cache=None, **kwargs):
+        residual = hidden_states
+        hidden_states = self.self_attn(
+            self.input_layernorm(hidden_states), context, position_embeddings, attention_mask, cache, **kwargs
+        )
+        hidden_states = residual + hidden_states
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class DFlashPreTrainedModel(PreTrainedModel):
+    config_class = DFlashConfig
+    config: DFlashConfig
+    base_model_prefix = ""
+    main_input_name = "noise_embeds"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DFlashDecoderLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _supports_flex_attn = True  # training: pass the packed mask as a BlockMask
+    _supports_attention_backend = True
+
+
+class DFlashDraftModel(DFlashPreTrainedModel):
+    """DFlash drafter: fused target context injected as extra keys/values into every layer."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__(config)
+        self.layers = nn.ModuleList([DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.fc = nn.Linear(len(config.target_layer_ids) * config.target_hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        if config.draft_vocab_size is not None:
+            # EAGLE-3 / vLLM speculators convention: draft index i is target id i + d2t[i]; t2d marks the ids.
+            # Until `set_draft_vocab` is called the draft vocabulary is the first draft_vocab_size ids.
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+            t2d[: config.draft_vocab_size] = True
+            self.register_buffer("t2d", t2d)
+        self._draft_head = None  # (key, rows of the target LM head for the draft vocabulary)
+        self.post_init()
+
+    @property
+    def draft_token_ids(self) -> torch.LongTensor | None:
+        """(N,) target ids of the draft vocabulary, ascending; None when drafting over the whole vocabulary."""
+        if self.config.draft_vocab_size is None:
+            return None
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
+    @torch.no_grad()
+    def set_draft_vocab(self, token_ids) -> None:
+        """Draft over these target token ids only (any order; stored ascending as `d2t`/`t2d`).
+
+        Raises:
+            ValueError: not `config.draft_vocab_size` distinct ids in [0, vocab_size).
+        """
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().unique()  # sorted
+        size, vocab = self.config.draft_vocab_size, self.config.vocab_size
+        if size is None:
+            raise ValueError(
+                "This drafter has draft_vocab_size=None (whole vocabulary); build it with draft_vocab_size=N."
+            )
+        if len(ids) != torch.as_tensor(token_ids).numel() or len(ids) != size:
+            raise ValueError(
+                f"set_draft_vocab needs {size} distinct token ids (draft_vocab_size), got {torch.as_tensor(token_ids).numel()} ({len(ids)} distinct)."
+            )
+        if ids[0] < 0 or ids[-1] >= vocab:
+            raise ValueError(
+                f"Draft vocabulary ids must lie in [0, vocab_size={vocab}); got {int(ids[0])}..{int(ids[-1])}."
+            )
+        self.d2t.copy_(ids.to(self.d2t.device) - torch.arange(size, device=self.d2t.device))
+        self.t2d.zero_()
+        self.t2d[ids.to(self.t2d.device)] = True
+        self._draft_head = None
+
+    def check_draft_vocab(self) -> None:
+        """ValueError unless `d2t`/`t2d` describe the same `draft_vocab_size` distinct ids of the vocabulary
+        (a corrupt or foreign checkpoint)."""
+        if self.config.draft_vocab_size is None:
+            return
+        ids = self.draft_token_ids
+        vocab = self.config.vocab_size
+        if bool((ids < 0).any()) or bool((ids >= vocab).any()):
+            raise ValueError(f"The draft vocabulary (d2t) maps outside the target vocabulary [0, {vocab}).")
+        if len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()):
+            raise ValueError("The draft vocabulary (d2t) is not strictly ascending: ids repeat or are out of order.")
+        if int(self.t2d.sum()) != len(ids) or not bool(self.t2d[ids].all()):
+            raise ValueError("The draft vocabulary buffers disagree: t2d does not mark exactly the ids of d2t.")
+
+    def draft_head_weight(self, lm_head: nn.Module) -> torch.Tensor:
+        """(N, H) rows of the target's LM head for the draft vocabulary (gathered once, then reused while
+        the head's weight is unchanged)."""
+        weight = lm_head.weight
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, self.d2t.data_ptr(), self.d2t._version)
+        if self._draft_head is None or self._draft_head[0] != key:
+            self._draft_head = (key, weight.detach().index_select(0, self.draft_token_ids.to(weight.device)))
+        return self._draft_head[1]
+
+    def greedy_draft_tokens(self, hidden_states: torch.Tensor, lm_head: nn.Module) -> torch.LongTensor:
+        """(...) target ids of the argmax drafts (first index on ties), without building full-vocabulary logits."""
+        logits = self.draft_logits(hidden_states, lm_head, full_vocab=False)
+        best = logits.max(-1).indices
+        return best if self.config.draft_vocab_size is None else self.draft_token_ids.to(best.device)[best]
+
+    def draft_logits(self, hidden_states: torch.Tensor, lm_head: nn.Module, full_vocab: bool = True) -> torch.Tensor:
+        """Logits of the drafter's outputs (..., H) through the target's LM head.
+
+        Without a draft vocabulary: `lm_head(hidden_states)` (..., V). With one: only its N rows are
+        computed; `full_vocab=True` scatters them into (..., V) with -inf elsewhere (a proposal that
+        never drafts other ids: greedy and rejection sampling stay lossless), False returns (..., N).
+        """
+        if self.config.draft_vocab_size is None:
+            return lm_head(hidden_states.to(lm_head.weight.dtype))  # the head may be bf16 under an fp32 drafter
+        weight = self.draft_head_weight(lm_head)
+        bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias[self.draft_token_ids.to(weight.device)]
+        logits = nn.functional.linear(hidden_states.to(weight.dtype), weight, bias)
+        if not full_vocab:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.draft_token_ids.to(logits.device), logits)
+
+    def fuse_context(self, context_hidden_states: torch.Tensor) -> torch.Tensor:
+        """(B, C, n*Ht) concatenated target features -> (B, C, H) fused context."""
+        return self.hidden_norm(self.fc(context_hidden_states))
+
+    def forward(
+        self,
+        noise_embeds: torch.Tensor,
+        context_hidden_states: torch.Tensor,
+        position_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
+        past_key_values=None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        """Draft one block.
+
+        noise_embeds (B, q, H); context_hidden_states (B, C, n*Ht);
+        position_ids (B, C+q): positions of the new context tokens then of the block
+            (default: continue after what `cache` holds);
+        attention_mask: 2D (B, past+C+q) padding mask, or a ready boolean 4D (B, 1, q, past+C+q) mask
+            (e.g. the packed training mask), or a flex-attention BlockMask, or None;
+        cache (`past_key_values` in Transformers <= 5.23): a `DynamicCache`/`DFlashCache` holding the
+            context keys/values of earlier rounds; this call appends context AND block keys/values,
+            and the caller crops the block before the next round.
+        """
+        cache = cache if cache is not None else past_key_values
+        context = self.fuse_context(context_hidden_states.to(self.fc.weight.dtype))
+        query_length, context_length = noise_embeds.shape[1], context.shape[1]
+        past_length = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(
+                past_length, past_length + context_length + query_length, device=noise_embeds.device
+            ).unsqueeze(0)
+        key_length = past_length + context_length + query_length
+
+        if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):  # a flex BlockMask
+            masks = {layer_type: attention_mask for layer_type in set(self.config.layer_types)}
+        elif attention_mask is not None and attention_mask.dim() == 4:
+            masks = {layer_type: attention_mask.bool() for layer_type in set(self.config.layer_types)}
+        else:
+            masks = {
+                "full_attention": dflash_attention_mask(attention_mask, query_length, key_length, None),
+                "sliding_attention": dflash_attention_mask(
+                    attention_mask,
+                    query_length,
+                    key_length,
+                    self.config.sliding_window,
+                    block_causal=not self.config.sliding_window_non_causal,
+                ),
+            }
+
+        hidden_states = noise_embeds.to(self.fc.weight.dtype)
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        for layer, layer_type in zip(self.layers, self.config.layer_types):
+            hidden_states = layer(hidden_states, context, position_embeddings, masks[layer_type], cache, **kwargs)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states))
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained` that refuses checkpoints with missing or unexpected keys
+        (Transformers only warns, and a drafter with random layers drafts garbage silently).
+
+        A foreign `config=` (the official layout's `Qwen3Config` with `dflash_config`, which
+        `AutoModel.from_pretrained(official_folder, trust_remote_code=True)` passes) is translated."""
+        config = kwargs.get("config")
+        if isinstance(config, PreTrainedConfig) and not isinstance(config, DFlashConfig):
+            kwargs["config"] = DFlashConfig.from_dict(config.to_dict())
+        wants_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        problems = {k: sorted(info.get(k) or []) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+        problems = {k: v for k, v in problems.items() if v}
+        if problems:
+            raise ValueError(
+                f"DFlash checkpoint {args[0] if args else ''} does not match DFlashDraftModel: {problems}. "
+                "Expected keys layers.{i}.*, norm.weight, fc.weight, hidden_norm.weight (no 'model.' prefix)"
+                + (", d2t, t2d (draft_vocab_size is set)." if model.config.draft_vocab_size is not None else ".")
+            )
+        model.check_draft_vocab()
+        return (model, info) if wants_info else model
+
+
+__all__ = ["DFlashDraftModel", "DFlashPreTrainedModel", "dflash_attention_mask"]
