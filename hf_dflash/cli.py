@@ -490,6 +490,11 @@ def register_generate(subparsers) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer (default: 256)")
     _add_dtype_argument(parser, "target and drafter dtype")
     parser.add_argument(
+        "--compile", default="auto", choices=("auto", "on", "off"),
+        help="static cache + torch.compile: 'auto' (default) compiles on accelerators, not on CPU; 'on' forces it "
+        "(DFlash: --batch-size 1); the run prints what was chosen and why",
+    )  # fmt: skip
+    parser.add_argument(
         "--block-size-policy", default="recommended",
         help="block length per round: 'recommended' (default: the drafter config's block_size_policy, else "
         "its block size), 'trained' (its block size), 'adaptive', or a fixed k",

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from .data.corpus import read_prompts_file
+from .generation.compiling import choose_compile, compiled_generate_kwargs
 from .json_files import write_atomic
 from .output_paths import check_new_file
 
@@ -20,11 +21,14 @@ def generate_file(
     batch_size: int = 8,
     max_new_tokens: int = 256,
     overwrite: bool = False,
+    compiled: bool = False,
 ) -> dict:
     """Write one `{"id", "messages", "response", "new_tokens"}` line per prompt to `out_file`.
 
     Prompts are sorted by length and left-padded in batches of `batch_size` (less padding); `drafter=None`
-    decodes plainly. Returns throughput: new tokens summed over rows per second, and τ for DFlash.
+    decodes plainly; `compiled` runs each batch with a static cache and `torch.compile` (`compiled_generate_kwargs`;
+    a graph's first call compiles it, inside the timed seconds). Returns throughput: new tokens summed over rows
+    per second, and τ for DFlash.
     `out_file` must be new unless `overwrite`, and is never the prompts file; it is written atomically.
     """
     if batch_size < 1:
@@ -40,10 +44,15 @@ def generate_file(
         rows = order[start : start + batch_size]
         batch = tokenizer([texts[i] for i in rows], return_tensors="pt", padding=True, add_special_tokens=False)
         batch = batch.to(target.device)
+        extra = {}
+        if compiled:
+            block_size = drafter.config.block_size if drafter is not None else 0
+            extra = compiled_generate_kwargs(target, batch["input_ids"].shape[1] + max_new_tokens, block_size)
         begin = time.perf_counter()
         output = target.generate(
-            **batch, do_sample=False, max_new_tokens=max_new_tokens, assistant_model=drafter, pad_token_id=pad_token_id
-        )
+            **batch, do_sample=False, max_new_tokens=max_new_tokens, assistant_model=drafter, pad_token_id=pad_token_id,
+            **extra,
+        )  # fmt: skip
         seconds += time.perf_counter() - begin
         if drafter is not None:
             acceptance += drafter.last_acceptance.acceptance_lengths
@@ -76,6 +85,7 @@ def run_generate(args) -> dict:
     """The CLI entry: load target and drafter (`--drafter random|PATH|none`) like `hf-dflash bench`."""
     from .bench.loading import RANDOM_DRAFTER, load_bench_models
     from .generation.adaptive import parse_block_size_policy
+    from .models import resolve_device
 
     read_prompts_file(args.prompts, require_prompts=True)  # a bad prompts file fails before any model loads
     check_new_file(args.out, overwrite=args.overwrite, inputs={"--prompts": args.prompts})  # and a bad --out
@@ -83,13 +93,16 @@ def run_generate(args) -> dict:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}.")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
+    device = resolve_device(None)  # where load_bench_models puts the models
+    compiled, why = choose_compile(args.compile, device, args.batch_size, dflash=args.drafter != "none")
     models = load_bench_models(args.target, RANDOM_DRAFTER if args.drafter == "none" else args.drafter, args.dtype)
     drafter = None if args.drafter == "none" else models.drafter
     if drafter is not None:
         drafter.block_size_policy = parse_block_size_policy(args.block_size_policy, drafter.config.block_size)
+    print(f"compile: {why}")
     summary = generate_file(
         models.target, models.tokenizer, drafter, args.prompts, args.out, args.batch_size, args.max_new_tokens,
-        overwrite=args.overwrite,
+        overwrite=args.overwrite, compiled=compiled,
     )  # fmt: skip
     tau = summary["mean_acceptance_length"]
     print(

@@ -150,6 +150,7 @@ def test_report_has_every_field_and_all_methods_equal_plain_greedy_in_fp32(greed
     # every method's first call is untimed; plain-compiled's compiles the decoding step, reported apart
     assert set(report["settings"]["warmup_seconds"]) == set(METHODS)
     assert "plain-compiled: compiled in its warm-up call" in format_table(report)
+    assert "dflash-compiled: compiled in its warm-up call" in format_table(report)
 
 
 def test_card_validates_and_is_written_for_export(greedy):

@@ -2,7 +2,10 @@
 
 import json
 
+import pytest
+
 from hf_dflash.cli import main
+from hf_dflash.generation.compiling import choose_compile
 from tests.conftest import make_drafter, make_target
 from tests.test_data import make_char_tokenizer, write_lines
 
@@ -83,3 +86,42 @@ def test_generate_overwrite_replaces_an_earlier_answer_file(tmp_path, capsys):
     assert main(argv) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 2 and all("response" in row for row in rows)
+
+
+def test_compile_on_needs_batch_size_one_with_a_drafter_before_any_model_loads(tmp_path, capsys):
+    prompts = write_lines(tmp_path / "prompts.jsonl", PROMPTS)
+    args = ["generate", "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl"), "--target", "nope"]
+    assert main([*args, "--drafter", "random", "--batch-size", "2", "--compile", "on"]) == 2
+    err = capsys.readouterr().err
+    assert "hf-dflash generate: error: --compile on with a drafter needs --batch-size 1 (got 2)" in err, err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_compiled_generate_command_gives_the_plain_answers(tmp_path, capsys):
+    """`--compile on`: a static cache + torch.compile per call, DFlash at batch size 1, the same answers."""
+    target = make_target("qwen3")
+    target.save_pretrained(tmp_path / "target")
+    make_char_tokenizer().save_pretrained(tmp_path / "target")
+    make_drafter(target, block_size=4).save_pretrained(tmp_path / "drafter")
+    prompts = write_lines(tmp_path / "prompts.jsonl", PROMPTS[:2])
+    common = ["generate", "--prompts", str(prompts), "--target", str(tmp_path / "target"), "--dtype", "float32",
+              "--max-new-tokens", "10", "--batch-size", "1"]  # fmt: skip
+    dflash = ["--drafter", str(tmp_path / "drafter"), "--compile", "on", "--out", str(tmp_path / "compiled.jsonl")]
+    assert main([*common, *dflash]) == 0
+    assert "compile: on" in capsys.readouterr().out
+    assert main([*common, "--drafter", "none", "--compile", "off", "--out", str(tmp_path / "plain.jsonl")]) == 0
+    assert "compile: off" in capsys.readouterr().out
+    compiled = [json.loads(line) for line in (tmp_path / "compiled.jsonl").read_text().splitlines()]
+    plain = [json.loads(line) for line in (tmp_path / "plain.jsonl").read_text().splitlines()]
+    assert [row["response"] for row in compiled] == [row["response"] for row in plain]
+
+
+def test_compile_auto_is_eager_on_cpu_and_compiled_on_cuda():
+    assert choose_compile("auto", "cpu", 1, dflash=True)[0] is False
+    assert choose_compile("auto", "cuda", 1, dflash=True)[0] is True
+    assert choose_compile("auto", "cuda", 4, dflash=True)[0] is False  # batched DFlash keeps a dynamic cache
+    assert choose_compile("auto", "cuda", 4, dflash=False)[0] is True  # plain decoding batches a static cache
+    assert choose_compile("off", "cuda", 1, dflash=True) == (False, "off")
+    with pytest.raises(ValueError, match="--compile must be one of auto, on, off"):
+        choose_compile("yes", "cpu", 1, dflash=True)

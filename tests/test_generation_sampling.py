@@ -79,7 +79,7 @@ def chi_square_against(counts: torch.Tensor, probs: torch.Tensor, label: str):
 
 
 @torch.no_grad()
-def check_sampled_second_token(target, drafter, label: str, draws: int = 1200) -> None:
+def check_sampled_second_token(target, drafter, label: str, draws: int = 1200, **generate_kwargs) -> None:
     """End to end through `generate`: the 2nd new token (drafted, then verified by rejection sampling)
     follows its exact marginal sum_t1 p(t1) p(t2 | t1) under the target with the same warpers, and
     drafts really were accepted (acceptance is exercised, not only rejection)."""
@@ -91,8 +91,9 @@ def check_sampled_second_token(target, drafter, label: str, draws: int = 1200) -
     rounds = []
     for _ in range(draws):
         out = target.generate(
-            prefix, do_sample=True, max_new_tokens=3, assistant_model=drafter, eos_token_id=None, **warpers
-        )
+            prefix, do_sample=True, max_new_tokens=3, assistant_model=drafter, eos_token_id=None, **warpers,
+            **generate_kwargs,
+        )  # fmt: skip
         counts[out[0, prefix.shape[1] + 1]] += 1
         rounds += drafter.last_acceptance.acceptance_lengths
     assert chi_square_against(counts, p_second, label).pvalue > ALPHA

@@ -10,9 +10,12 @@
     hybrid-tree  hybrid with drafter.draft_tree = "auto": the n-gram branch grafted onto the drafter's tree
     plain-alt  plain decoding with the target in the OTHER dtype (bf16 <-> fp32)
     plain-compiled  plain decoding with a StaticCache and Transformers' automatic `torch.compile` of the
-             decoding step (`compile_config`, also on CPU); the cache length is a multiple of
-             `STATIC_CACHE_LENGTH` so one graph serves every prompt of a run, and the compile is paid by the
-             warm-up call (reported apart), not by the timed ones
+             decoding step (`compile_config`, also on CPU); the cache holds the request rounded up to a
+             multiple of 256 slots (a step attends over every slot: SmolLM2's fp32 compiled step costs 66 ms
+             over 512 slots, 100 over 2,048); each length is a graph, compiled by an untimed warm-up call
+             the first time it comes (reported apart), never by a timed one
+    dflash-compiled  dflash with the same StaticCache and `compile_config`: our loop compiles its verification
+             forward (one graph per block length, short last rounds padded), the prefill stays eager
 The baseline is the fastest of the plain decodings that ran, so no speed-up is bought with a slow baseline.
 
 Acceptance lengths (tokens committed per verification round, bonus token included): our loop reports
@@ -34,11 +37,11 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-from transformers import CompileConfig, StaticCache
 
-from ..caches import cache_keyword
+from ..generation.compiling import compiled_generate_kwargs, static_slots
 
 __all__ = [
+    "COMPILED_METHODS",
     "METHODS",
     "PLAIN_METHODS",
     "PROMPT_LOOKUP_NUM_TOKENS",
@@ -53,13 +56,15 @@ __all__ = [
     "max_round_length",
 ]
 
-METHODS = ("plain", "dflash", "builtin", "lookup", "tree", "hybrid", "hybrid-tree", "plain-alt", "plain-compiled")
+METHODS = (
+    "plain", "dflash", "builtin", "lookup", "tree", "hybrid", "hybrid-tree", "plain-alt", "plain-compiled", "dflash-compiled"
+)  # fmt: skip
 TREE_SETTING = "auto"  # drafter.draft_tree of the "tree" and "hybrid-tree" methods
 TREE_METHODS = ("tree", "hybrid-tree")  # the drafter drafts its own tree
 HYBRID_METHODS = ("hybrid", "hybrid-tree")  # DFlash drafts + an n-gram branch, one tree
-OWN_LOOP_METHODS = ("dflash", *TREE_METHODS, "hybrid")  # rounds reported by the drafter (our loop)
+OWN_LOOP_METHODS = ("dflash", "dflash-compiled", *TREE_METHODS, "hybrid")  # rounds reported by the drafter (our loop)
+COMPILED_METHODS = ("plain-compiled", "dflash-compiled")  # StaticCache + compile_config, compiled in the warm-up
 PLAIN_METHODS = ("plain", "plain-alt", "plain-compiled")  # no drafting: the candidates for the baseline
-STATIC_CACHE_LENGTH = 2048  # plain-compiled: cache lengths are multiples of this (one graph per multiple)
 PROMPT_LOOKUP_NUM_TOKENS = 10
 
 
@@ -154,22 +159,13 @@ def check_methods(methods) -> None:
         raise ValueError(f"Unknown or no methods {list(methods)}; choose from {', '.join(METHODS)}.")
 
 
-def compiled_plain_kwargs(target, length: int) -> dict:
-    """`generate` keyword arguments for plain decoding with a StaticCache of a multiple of
-    `STATIC_CACHE_LENGTH` slots (at least `length`) and the compiled decoding step."""
-    compile_config = CompileConfig(dynamic=False, mode="reduce-overhead" if target.device.type == "cuda" else None)
-    compile_config._compile_all_devices = True  # transformers 5.24 compiles generate's step on accelerators only
-    slots = -(-length // STATIC_CACHE_LENGTH) * STATIC_CACHE_LENGTH
-    cache = StaticCache(config=target.config, max_cache_len=slots)
-    return {cache_keyword(target): cache, "compile_config": compile_config}
-
-
 def method_kwargs(method: str, drafter: torch.nn.Module | None) -> dict:
-    """The `generate` keyword arguments that select `method` (plain-compiled: see `compiled_plain_kwargs`)."""
+    """The `generate` keyword arguments that select `method` (compiled methods: + `compiled_generate_kwargs`)."""
     if method in (*OWN_LOOP_METHODS, "builtin") and drafter is None:
         raise ValueError(f"Method {method!r} needs a drafter.")
     return {
         "plain-compiled": {},
+        "dflash-compiled": {"assistant_model": drafter},
         "plain": {},
         "plain-alt": {},
         "dflash": {"assistant_model": drafter},
@@ -183,8 +179,8 @@ def method_kwargs(method: str, drafter: torch.nn.Module | None) -> dict:
 
 def max_round_length(method: str, block_size: int) -> int:
     """The most tokens one verification round of `method` can commit (drafts + bonus)."""
-    longest = {"plain": 1, "plain-alt": 1, "plain-compiled": 1, "dflash": block_size, "builtin": block_size, "tree": block_size,
-               "lookup": PROMPT_LOOKUP_NUM_TOKENS + 1}  # fmt: skip
+    longest = {"plain": 1, "plain-alt": 1, "plain-compiled": 1, "dflash": block_size, "dflash-compiled": block_size,
+               "builtin": block_size, "tree": block_size, "lookup": PROMPT_LOOKUP_NUM_TOKENS + 1}  # fmt: skip
     return longest.get(method, max(block_size, PROMPT_LOOKUP_NUM_TOKENS + 1))  # hybrid: the deeper branch
 
 
@@ -193,8 +189,18 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def generate_with(method: str, target, drafter, inputs: dict[str, torch.Tensor], generation_kwargs: dict) -> Generation:
-    """Run `target.generate(**inputs, **generation_kwargs)` with `method` and time it (wall clock)."""
+def static_cache_slots(method: str, drafter, prompt_length: int, max_new_tokens: int) -> int:
+    """The StaticCache length of a compiled method's call: prompt + max_new_tokens (+ the block, room for a
+    padded last block: `dflash-compiled`), rounded up to `STATIC_SLOT_MULTIPLE`. Each length is a graph."""
+    block = drafter.config.block_size if method == "dflash-compiled" else 0
+    return static_slots(prompt_length + max_new_tokens, block)
+
+
+def generate_with(
+    method: str, target, drafter, inputs: dict[str, torch.Tensor], generation_kwargs: dict, slots: int | None = None
+) -> Generation:
+    """Run `target.generate(**inputs, **generation_kwargs)` with `method` and time it (wall clock). Compiled
+    methods: a StaticCache of `slots` (default `static_cache_slots`)."""
     if method not in METHODS:
         raise ValueError(f"Unknown method {method!r}; known: {', '.join(METHODS)}.")
     prompt_length = inputs["input_ids"].shape[1]
@@ -209,9 +215,9 @@ def generate_with(method: str, target, drafter, inputs: dict[str, torch.Tensor],
             _synchronize(target.device)
             start = time.perf_counter()
             extra = method_kwargs(method, drafter)
-            if method == "plain-compiled":
-                length = inputs["input_ids"].shape[1] + generation_kwargs["max_new_tokens"]
-                extra = compiled_plain_kwargs(target, length)
+            if method in COMPILED_METHODS:
+                slots = slots or static_cache_slots(method, drafter, prompt_length, generation_kwargs["max_new_tokens"])
+                extra |= compiled_generate_kwargs(target, slots, multiple=1)
             sequences = target.generate(**inputs, **generation_kwargs, **extra)
             _synchronize(target.device)
             seconds = time.perf_counter() - start
@@ -240,7 +246,7 @@ def generate_with(method: str, target, drafter, inputs: dict[str, torch.Tensor],
         sequences=sequences,
         seconds=seconds,
         acceptance_lengths=lengths,
-        block_sizes=block_sizes if method in ("dflash", "tree") else None,
+        block_sizes=block_sizes if method in ("dflash", "dflash-compiled", "tree") else None,
         branches=branches,
         round_costs=round_costs,
     )

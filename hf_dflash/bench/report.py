@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ..hub_cards.schemas import BENCHMARK_NAME
 from .card import benchmark_card
-from .methods import HYBRID_METHODS
+from .methods import COMPILED_METHODS, HYBRID_METHODS
 from .runner import Sample
 from .summary import OVERALL
 
@@ -130,8 +130,9 @@ def format_table(report: dict) -> str:
             + "; speed-ups are against the faster plain decoding of each set (marked baseline)"
         )
     warmups = report["settings"].get("warmup_seconds") or {}
-    if "plain-compiled" in warmups:
-        text.append(f"plain-compiled: compiled in its warm-up call ({warmups['plain-compiled']:.1f} s, not in tok/s)")
+    for method in COMPILED_METHODS:
+        if method in warmups:
+            text.append(f"{method}: compiled in its warm-up call ({warmups[method]:.1f} s, not in tok/s)")
     if report["settings"].get("prompts_run"):
         text.append("prompts run: " + prompts_run_line(report["settings"]["prompts_run"]))
     for method in HYBRID_METHODS:

@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .divergence import Divergence, first_divergence
-from .methods import METHODS, Generation, check_methods, generate_with
+from .methods import COMPILED_METHODS, METHODS, Generation, check_methods, generate_with, static_cache_slots
 
 __all__ = ["Sample", "chat_inputs", "compare_turn", "generation_settings", "rotated", "run_benchmark"]
 
@@ -117,7 +117,8 @@ def run_benchmark(
     difference is located with the target's top-2 logit gap there. Sampling: every method of a prompt
     starts from the same seed (`seed` + prompt index); outputs legitimately differ and are not compared.
     `alt_target` (the same target in another dtype) runs the "plain-alt" method. `warmup_seconds`, when
-    given, receives each method's untimed warm-up call (plain-compiled: its compile) in seconds.
+    given, receives each method's untimed warm-up calls in seconds: one per method, and for the compiled
+    methods one more per new static cache length (each length compiles a graph).
     """
     check_methods(methods)
     if "plain-alt" in methods and alt_target is None:
@@ -131,6 +132,7 @@ def run_benchmark(
     compare = temperature <= 0 and "plain" in methods
     samples: list[Sample] = []
     warm = False
+    compiled_lengths: dict[str, set] = {}  # per method: the static cache lengths already compiled
     bar = tqdm(total=sum(map(len, prompt_sets.values())), desc="bench", unit="prompt", disable=not progress)
     index = 0  # prompt counter over all sets: rotation and sampling seed
     for set_name, records in prompt_sets.items():
@@ -142,20 +144,33 @@ def run_benchmark(
                 if message["role"] != "user":  # a leading system message
                     continue
                 inputs = chat_inputs(tokenizer, history, target.device)
-                if not warm:  # the first calls pay one-time costs (allocations, kernel selection)
-                    for method in methods:
-                        warmup = generate_with(
-                            method, model_for(method), drafter, inputs, {**settings, "max_new_tokens": WARMUP_TOKENS}
-                        )
-                        if warmup_seconds is not None:
-                            warmup_seconds[method] = warmup.seconds
-                    warm = True
+                prompt_length = inputs["input_ids"].shape[1]
+                slots = {
+                    method: static_cache_slots(method, drafter, prompt_length, max_new_tokens)
+                    for method in methods
+                    if method in COMPILED_METHODS
+                }
+                # The first calls pay one-time costs (allocations, kernel selection); a compiled method's first
+                # call at each static cache length compiles its graph.
+                for method in methods:
+                    compiled = compiled_lengths.setdefault(method, set())
+                    if warm and (method not in slots or slots[method] in compiled):
+                        continue
+                    warmup = generate_with(
+                        method, model_for(method), drafter, inputs, {**settings, "max_new_tokens": WARMUP_TOKENS},
+                        slots=slots.get(method),
+                    )  # fmt: skip
+                    compiled.add(slots.get(method))
+                    if warmup_seconds is not None:
+                        warmup_seconds[method] = warmup_seconds.get(method, 0.0) + warmup.seconds
+                warm = True
                 generations = {}
                 for method in rotated(methods, index):
                     torch.manual_seed(seed + index)
-                    generations[method] = generate_with(method, model_for(method), drafter, inputs, settings)
+                    generations[method] = generate_with(
+                        method, model_for(method), drafter, inputs, settings, slots=slots.get(method)
+                    )
                 generations = {method: generations[method] for method in methods}  # report in the requested order
-                prompt_length = inputs["input_ids"].shape[1]
                 turn = sum(message["role"] == "user" for message in history) - 1
                 samples += compare_turn(
                     target, generations, prompt_length, compare, set=set_name, prompt_id=record["id"], turn=turn

@@ -30,6 +30,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import transformers
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -166,6 +167,13 @@ def check_cache(cache, drafter: DFlashDraftModel, generation_config: GenerationC
     slots), and the drafter must have no sliding-window layers for the same reason."""
     if cache is None:
         raise ValueError("DFlash generation needs a target cache; do not pass use_cache=False.")
+    fixed = sorted({type(layer).__name__ for layer in cache.layers if not getattr(layer, "is_croppable", True)})
+    if fixed:
+        raise ValueError(
+            f"DFlash rolls rejected drafts back out of the target cache, and this cache's {', '.join(fixed)} layers "
+            f"cannot be rolled back in Transformers {transformers.__version__} (static layers can from 5.24 on): "
+            "drop cache_implementation / the cache argument for the default dynamic cache, or upgrade Transformers."
+        )
     if batch_size == 1:
         return
     if not isinstance(cache, DynamicCache):
@@ -248,6 +256,10 @@ class DecodingLoop:
                 self.trees = None
         self.target_mask = input_ids.new_zeros(batch, 0)  # (B, T) validity of the target cache's slots
         self.context, self.context_mask = None, None  # target features the drafter has not read yet
+        chains_only = batch == 1 and not hybrid and self.trees is None
+        self.compiled = (
+            compiled_verification(self.target, self.generation_config, model_kwargs) if chains_only else None
+        )
 
         # Round 0 is the prefill: it reads the whole prompt (and, hybrid, may verify n-gram drafts).
         unread = input_ids  # (B, u) committed tokens the target has not read
@@ -263,7 +275,7 @@ class DecodingLoop:
             if counts_as_round:
                 self.stats.block_sizes.append(planned.block_length)
                 self.stats.first_round_in_prefill |= prefill
-            outputs = self.verify(unread, unread_mask, drafts, tree, prefill, model_kwargs)
+            outputs = self.verify(unread, unread_mask, drafts, tree, prefill, model_kwargs, planned.block_length)
             verdict = self.accept(prefixes, drafts, tree, outputs)
             committed = self.commit(verdict, counts_as_round)
             if self.controller is not None and counts_as_round:
@@ -323,14 +335,26 @@ class DecodingLoop:
         tree = None if self.hybrid.tree.is_chain else self.hybrid.tree
         return RoundDraft(drafts, tree, block_length, num_drafts)
 
-    def verify(self, unread, unread_mask, drafts: Drafts, tree: DraftTree | None, prefill: bool, model_kwargs):
+    def verify(
+        self, unread, unread_mask, drafts: Drafts, tree: DraftTree | None, prefill: bool, model_kwargs, width: int
+    ):
         """ONE target forward over [unread (B, u), drafts (B, d)] with the hidden states the drafter needs.
 
         The prefill goes through `prepare_inputs_for_generation` with `generate`'s own model kwargs, as plain
         decoding's first step does; later rounds give each row its positions (its number of valid slots)
-        and a 2D mask of the valid slots. A tree (batch 1) sees its context and its ancestors only."""
+        and a 2D mask of the valid slots. A tree (batch 1) sees its context and its ancestors only. Compiled
+        rounds verify exactly `width` tokens (the block length): fewer drafts are padded (`pad_round`); a
+        round whose padded block would not fit the static cache runs eager instead of compiling a new shape."""
         tokens = torch.cat([unread, drafts.tokens], 1)
         num_drafts = drafts.tokens.shape[1]
+        forward, padding = self.target, 0
+        if not prefill and self.compiled is not None:
+            padding = max(0, width - tokens.shape[1])
+            if self.target_mask.shape[1] + tokens.shape[1] + padding <= cache_capacity(self.cache):
+                forward = self.compiled
+                tokens = pad_round(tokens, padding) if padding else tokens
+            else:  # the padded block would not fit the cache (the last round): eager, no new graph
+                padding = 0
         if prefill:
             kwargs = dict(model_kwargs)
             if kwargs.get("attention_mask") is not None:
@@ -342,7 +366,7 @@ class DecodingLoop:
                 )
             model_inputs = self.target.prepare_inputs_for_generation(tokens, is_first_iteration=True, **kwargs)
         else:
-            fresh = torch.cat([unread_mask, unread_mask.new_ones(drafts.tokens.shape)], 1)
+            fresh = unread_mask.new_ones(tokens.shape)  # after the prefill every row's unread token is valid
             model_inputs = self.target.prepare_inputs_for_generation(
                 tokens,
                 attention_mask=torch.cat([self.target_mask, fresh], 1),
@@ -351,11 +375,15 @@ class DecodingLoop:
                 **{self.cache_key: self.cache},
             )
         if "logits_to_keep" in model_inputs:
-            model_inputs["logits_to_keep"] = num_drafts + 1
+            model_inputs["logits_to_keep"] = num_drafts + 1 + padding
         model_inputs |= self.hidden_request
         if tree is not None:  # each node sees the context and its ancestors, at position root + depth
             model_inputs |= tree_inputs(self.target, model_inputs, tree, self.target_mask.shape[1])
-        return self.target(**model_inputs)
+        outputs = forward(**model_inputs)
+        if padding:
+            self.cache.crop(-padding)
+            outputs = drop_padding(outputs, padding)
+        return outputs
 
     def accept(self, prefixes, drafts: Drafts, tree: DraftTree | None, outputs) -> Verdict:
         """The tokens each row commits, as the target decides. A tree's outputs come laid out along its
@@ -462,6 +490,45 @@ class DecodingLoop:
         if needs_compaction(self.target_mask):
             self.target_mask = compact_cache(self.cache, self.target_mask)
         return True
+
+
+def compiled_verification(target: PreTrainedModel, generation_config: GenerationConfig, model_kwargs: dict):
+    """The target's compiled forward for the rounds after the prefill, exactly where Transformers' own decoding
+    compiles its step (`_valid_auto_compile_criteria`: a compileable cache such as
+    `cache_implementation="static"`, on an accelerator or with `compile_config._compile_all_devices`, and
+    `disable_compile` unset); None (eager) otherwise. The prefill stays eager, as in Transformers."""
+    if not target._valid_auto_compile_criteria(model_kwargs, generation_config):
+        return None
+    import torch._inductor.config as inductor_config
+
+    if inductor_config.freezing:
+        raise ValueError(
+            "torch._inductor.config.freezing = True cannot compile DFlash verification over a static cache: freezing "
+            "folds the cache's buffers into the graph (torch 2.13), so a later generate() call's new cache is never "
+            "read and drafts are verified against stale keys. Set torch._inductor.config.freezing = False, or drop "
+            "compile_config to verify eagerly."
+        )
+    return target.get_compiled_call(generation_config.compile_config)
+
+
+def cache_capacity(cache) -> int:
+    """The slots a static cache holds (its smallest layer's; layers without a maximum are not counted)."""
+    return min(length for layer in cache.layers if (length := layer.get_max_length()) > 0)
+
+
+def pad_round(tokens: torch.LongTensor, padding: int) -> torch.LongTensor:
+    """tokens (B, n) followed by `padding` copies of their last column (B, n + padding): a compiled round keeps
+    the block's shape when fewer drafts fit. The copies come after every real token, so causal attention
+    keeps them from changing any real token's output; their outputs and cache slots are dropped."""
+    return torch.cat([tokens, tokens[:, -1:].expand(-1, padding)], 1)
+
+
+def drop_padding(outputs, padding: int):
+    """`outputs` of a padded round without its last `padding` positions (logits and hidden states)."""
+    outputs.logits = outputs.logits[:, :-padding]
+    if outputs.hidden_states is not None:
+        outputs.hidden_states = tuple(None if h is None else h[:, :-padding] for h in outputs.hidden_states)
+    return outputs
 
 
 def tree_inputs(model, model_inputs: dict, tree: DraftTree, past: int) -> dict:

@@ -1,0 +1,66 @@
+"""Compiled decoding as Transformers runs it: a `StaticCache` and `compile_config`, and when to use them.
+
+`generate` compiles its decoding step (plain decoding) or our loop's verification forward (`decoding.py`)
+when the cache is compileable and `compile_config` allows the device (Transformers compiles on
+accelerators only unless `compile_config._compile_all_devices`). `compiled_generate_kwargs` builds both for
+one call; `choose_compile` decides `--compile auto|on|off`.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import CompileConfig, StaticCache
+
+from ..caches import cache_keyword
+
+__all__ = ["COMPILE_SETTINGS", "STATIC_SLOT_MULTIPLE", "choose_compile", "compiled_generate_kwargs", "static_slots"]
+
+COMPILE_SETTINGS = ("auto", "on", "off")
+# A static cache's length is part of every compiled graph's shapes: lengths are rounded up to this multiple so
+# requests of similar lengths share a graph, while a step still attends over no more than this many empty slots.
+STATIC_SLOT_MULTIPLE = 256
+
+
+def static_slots(max_length: int, block_size: int = 0, multiple: int = STATIC_SLOT_MULTIPLE) -> int:
+    """Slots for a generation up to `max_length` tokens whose compiled rounds verify `block_size` tokens: room
+    for a padded last block (`decoding.pad_round`), rounded up to `multiple`."""
+    needed = max_length + block_size
+    return -(-needed // multiple) * multiple
+
+
+def compiled_generate_kwargs(
+    target, max_length: int, block_size: int = 0, multiple: int = STATIC_SLOT_MULTIPLE
+) -> dict:
+    """`generate` keyword arguments for a compiled call: a StaticCache of `static_slots` slots and a
+    `CompileConfig` that also compiles on CPU (`mode="reduce-overhead"`, CUDA graphs, on CUDA)."""
+    config = CompileConfig(dynamic=False, mode="reduce-overhead" if target.device.type == "cuda" else None)
+    config._compile_all_devices = True  # Transformers 5.23-5.25 compile generate's step on accelerators only
+    cache = StaticCache(config=target.config, max_cache_len=static_slots(max_length, block_size, multiple))
+    return {cache_keyword(target): cache, "compile_config": config}
+
+
+def choose_compile(setting: str, device: torch.device | str, batch_size: int, dflash: bool) -> tuple[bool, str]:
+    """(compile or not, why) for `--compile auto|on|off`.
+
+    `auto` follows Transformers' own default: compiled on accelerators (CUDA graphs remove the launch and
+    Python overhead of a round's small kernels), eager on CPU: on a 2-core Zen 4 compiled DFlash was 1.16x
+    eager in fp32 and 1.03x in bf16, after 40-85 s of compile per static cache length (docs/results.md,
+    "Static cache and torch.compile"), which only long runs win back. `on` with DFlash needs batch size 1
+    (the loop's static cache serves one row)."""
+    if setting not in COMPILE_SETTINGS:
+        raise ValueError(f"--compile must be one of {', '.join(COMPILE_SETTINGS)}, got {setting!r}.")
+    device_type = torch.device(device).type
+    if setting == "auto":
+        if device_type == "cpu":
+            return False, "auto: eager on CPU (a compile costs ~1 min per cache length for a few % here; --compile on)"
+        if dflash and batch_size > 1:
+            return False, f"auto: eager (batched DFlash, batch size {batch_size}, needs a dynamic cache)"
+        return True, f"auto: compiled on {device_type} (static cache, CUDA graphs)"
+    if setting == "off":
+        return False, "off"
+    if dflash and batch_size > 1:
+        raise ValueError(
+            f"--compile on with a drafter needs --batch-size 1 (got {batch_size}): compiled DFlash keeps one row "
+            "in a static cache. Pass --batch-size 1, or --compile off for batched DFlash."
+        )
+    return True, "on"
