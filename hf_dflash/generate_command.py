@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from .data.corpus import read_prompts_file
-from .generation.compiling import choose_compile, compiled_generate_kwargs
+from .generation.compiling import choose_compile, compiled_generate_kwargs, static_slots
 from .json_files import write_atomic
 from .output_paths import check_new_file
 
@@ -47,7 +47,9 @@ def generate_file(
         extra = {}
         if compiled:
             block_size = drafter.config.block_size if drafter is not None else 0
-            extra = compiled_generate_kwargs(target, batch["input_ids"].shape[1] + max_new_tokens, block_size)
+            extra = compiled_generate_kwargs(
+                target, static_slots(batch["input_ids"].shape[1] + max_new_tokens, block_size)
+            )
         begin = time.perf_counter()
         output = target.generate(
             **batch, do_sample=False, max_new_tokens=max_new_tokens, assistant_model=drafter, pad_token_id=pad_token_id,

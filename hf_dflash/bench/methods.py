@@ -217,7 +217,7 @@ def generate_with(
             extra = method_kwargs(method, drafter)
             if method in COMPILED_METHODS:
                 slots = slots or static_cache_slots(method, drafter, prompt_length, generation_kwargs["max_new_tokens"])
-                extra |= compiled_generate_kwargs(target, slots, multiple=1)
+                extra |= compiled_generate_kwargs(target, slots)
             sequences = target.generate(**inputs, **generation_kwargs, **extra)
             _synchronize(target.device)
             seconds = time.perf_counter() - start

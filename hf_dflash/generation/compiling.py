@@ -28,15 +28,12 @@ def static_slots(max_length: int, block_size: int = 0, multiple: int = STATIC_SL
     return -(-needed // multiple) * multiple
 
 
-def compiled_generate_kwargs(
-    target, max_length: int, block_size: int = 0, multiple: int = STATIC_SLOT_MULTIPLE
-) -> dict:
-    """`generate` keyword arguments for a compiled call: a StaticCache of `static_slots` slots and a
+def compiled_generate_kwargs(target, slots: int) -> dict:
+    """`generate` keyword arguments for a compiled call: a StaticCache of `slots` slots (`static_slots`) and a
     `CompileConfig` that also compiles on CPU (`mode="reduce-overhead"`, CUDA graphs, on CUDA)."""
     config = CompileConfig(dynamic=False, mode="reduce-overhead" if target.device.type == "cuda" else None)
     config._compile_all_devices = True  # Transformers 5.23-5.25 compile generate's step on accelerators only
-    cache = StaticCache(config=target.config, max_cache_len=static_slots(max_length, block_size, multiple))
-    return {cache_keyword(target): cache, "compile_config": config}
+    return {cache_keyword(target): StaticCache(config=target.config, max_cache_len=slots), "compile_config": config}
 
 
 def choose_compile(setting: str, device: torch.device | str, batch_size: int, dflash: bool) -> tuple[bool, str]:
