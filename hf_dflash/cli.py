@@ -491,8 +491,8 @@ def register_generate(subparsers) -> None:
     _add_dtype_argument(parser, "target and drafter dtype")
     parser.add_argument(
         "--compile", default="auto", choices=("auto", "on", "off"),
-        help="static cache + torch.compile: 'auto' (default) compiles on accelerators, not on CPU; 'on' forces it "
-        "(DFlash: --batch-size 1); the run prints what was chosen and why",
+        help="static cache + torch.compile: 'auto' (default) compiles on accelerators, not on CPU; 'on' forces it; "
+        "the run prints what was chosen and why",
     )  # fmt: skip
     parser.add_argument(
         "--block-size-policy", default="recommended",

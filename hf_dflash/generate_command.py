@@ -96,7 +96,7 @@ def run_generate(args) -> dict:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
     device = resolve_device(None)  # where load_bench_models puts the models
-    compiled, why = choose_compile(args.compile, device, args.batch_size, dflash=args.drafter != "none")
+    compiled, why = choose_compile(args.compile, device)
     models = load_bench_models(args.target, RANDOM_DRAFTER if args.drafter == "none" else args.drafter, args.dtype)
     drafter = None if args.drafter == "none" else models.drafter
     if drafter is not None:

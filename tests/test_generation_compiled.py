@@ -2,6 +2,8 @@
 Transformers' own decoding compiles its step, with one input shape per block length, and stays lossless
 (SPEC §5 oracle 2, fp32 greedy)."""
 
+import warnings
+
 import pytest
 import torch
 from transformers import CompileConfig
@@ -123,14 +125,130 @@ def test_a_cache_that_cannot_roll_back_is_refused_with_the_fix(monkeypatch):
 
 
 @pytest.mark.slow
-def test_compiled_sampling_preserves_target_distribution():
+@pytest.mark.parametrize("draft_tree", [None, 4])
+def test_compiled_sampling_preserves_target_distribution(draft_tree):
     """SPEC §5 oracle 3 through the compiled, padded rounds (3 new tokens after a 4-token block: the round
-    after the prefill fits one draft and is padded)."""
+    after the prefill fits one draft and is padded), chains and sampled trees."""
     from tests.test_generation_sampling import check_sampled_second_token
 
     target = make_target("qwen3", seed=3)
     drafter = make_drafter(target, block_size=4, seed=4)
+    drafter.draft_tree = draft_tree
     spy = WidthSpy(target)
     compiled = dict(cache_implementation="static", compile_config=cpu_compile_config(), max_cache_len=5 + 3 + 4)
     check_sampled_second_token(target, drafter, "compiled generate(do_sample)", draws=600, **compiled)
+    assert spy.widths and set(spy.widths) == {4}
+
+
+def repeating_prompt(seed: int, length: int = 12) -> torch.LongTensor:
+    """A random span written three times: the n-gram branch of hybrid drafting finds continuations."""
+    from tests.test_generation_hybrid import prompt as hybrid_prompt
+
+    return hybrid_prompt(seed, repeats=True, length=length)
+
+
+TREE_SETUPS = {  # name: (drafter.draft_tree, prompt_lookup_num_tokens, the compiled round width)
+    "tree": (6, None, 6),
+    "hybrid": (None, 3, 4 + 3),
+    "hybrid-tree": (5, 3, 5 + 3),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setup", sorted(TREE_SETUPS))
+def test_compiled_trees_and_hybrid_rounds_have_one_shape_and_match_plain_greedy(setup, monkeypatch):
+    """Draft trees and hybrid drafting over a static cache: every compiled round is a tree of one width
+    (chains included, padding nodes hung below the last node, the tree mask spanning the static cache), the
+    accepted path is gathered in place, and the output is plain greedy's."""
+    nodes, ngram, width = TREE_SETUPS[setup]
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=4)
+    drafter.block_size_policy = 4
+    if nodes is not None:
+        drafter.draft_tree = nodes
+    tree_forwards = []
+    tree_inputs = decoding.tree_inputs
+    monkeypatch.setattr(decoding, "tree_inputs", lambda *a, **k: tree_forwards.append(a[2]) or tree_inputs(*a, **k))
+    spy = WidthSpy(target)
+    lookup = {} if ngram is None else {"prompt_lookup_num_tokens": ngram}
+    for seed in range(2):
+        input_ids = repeating_prompt(seed)
+        expected = plain_greedy(target, input_ids, max_new_tokens=29, eos_token_id=None)
+        room = input_ids.shape[1] + 29 + width
+        actual = compiled_dflash(target, drafter, input_ids, 29, max_cache_len=room, **lookup)
+        assert torch.equal(actual, expected)
+    assert spy.widths and set(spy.widths) == {width}
+    real_trees = [parents for parents in tree_forwards if any(p != i - 1 for i, p in enumerate(parents))]
+    assert real_trees  # some rounds verified a tree, not a chain
+    assert all(len(parents) == width for parents in tree_forwards[-len(spy.widths) :])
+
+
+def test_trees_over_a_static_cache_without_compile_match_plain_greedy():
+    """A static cache with room for a tree beyond max_length verifies trees (the tree mask spans its slots);
+    without that room, chains, with a warning naming it. Both lossless."""
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=4)
+    drafter.draft_tree = 8
+    input_ids = prompt(5, length=7)
+    expected = plain_greedy(target, input_ids, max_new_tokens=25, eos_token_id=None)
+    static = dict(assistant_model=drafter, cache_implementation="static", do_sample=False, eos_token_id=None)
+    with pytest.warns(UserWarning, match="static cache without 8 slots beyond max_length"):
+        actual = target.generate(input_ids, max_new_tokens=25, **static)  # default: max_length slots
+    assert torch.equal(actual, expected)
+    assert not drafter.last_acceptance.tree_sizes  # chains
+    with warnings.catch_warnings():  # (generate reuses a static cache only when it is large enough)
+        warnings.simplefilter("error", UserWarning)
+        actual = target.generate(input_ids, max_new_tokens=25, max_cache_len=7 + 25 + 8, **static)
+    assert torch.equal(actual, expected)
+    assert max(drafter.last_acceptance.tree_sizes) > 4  # trees, not chains of the block
+
+
+def batched_static(target, drafter, input_ids, attention_mask, max_new_tokens, eos, **kwargs):
+    from tests.test_generation_batched import PAD
+
+    common = dict(attention_mask=attention_mask, do_sample=False, pad_token_id=PAD, eos_token_id=eos)
+    expected = target.generate(input_ids, max_new_tokens=max_new_tokens, **common)
+    actual = target.generate(
+        input_ids, max_new_tokens=max_new_tokens, assistant_model=drafter, cache_implementation="static",
+        **common, **kwargs,
+    )  # fmt: skip
+    return actual, expected
+
+
+@pytest.mark.parametrize("headroom", [0, 16])
+def test_batched_dflash_over_a_static_cache_matches_plain_batched_greedy(headroom, monkeypatch):
+    """Batch N over a static cache: finished rows stay in it idle (a static cache keeps its batch), and the
+    holes of rejected drafts are compacted in place when the next round would not fit."""
+    from hf_dflash import caches
+    from tests.test_generation_batched import eos_mid_way, random_batch
+
+    compactions = []
+    compact = caches.compact_cache
+    monkeypatch.setattr(decoding, "compact_cache", lambda *a: compactions.append(1) or compact(*a))
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=4)  # random: rows accept different counts, holes appear
+    generator = torch.Generator().manual_seed(7)
+    for _ in range(2):
+        input_ids, attention_mask = random_batch(generator, 3)
+        eos = eos_mid_way(target, input_ids, attention_mask, 24, generator)  # rows finish at different rounds
+        room = {"max_cache_len": input_ids.shape[1] + 24 + headroom}
+        actual, expected = batched_static(target, drafter, input_ids, attention_mask, 24, eos, **room)
+        assert torch.equal(actual, expected)
+    assert bool(compactions) == (headroom == 0)  # without headroom the holes had to be compacted
+
+
+@pytest.mark.slow
+def test_compiled_batched_rounds_have_one_shape_and_match_plain_batched_greedy():
+    from tests.test_generation_batched import eos_mid_way, random_batch
+
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=4)
+    spy = WidthSpy(target)
+    generator = torch.Generator().manual_seed(8)
+    for _ in range(2):
+        input_ids, attention_mask = random_batch(generator, 3)
+        eos = eos_mid_way(target, input_ids, attention_mask, 21, generator)
+        room = {"max_cache_len": input_ids.shape[1] + 21 + 4, "compile_config": cpu_compile_config()}
+        actual, expected = batched_static(target, drafter, input_ids, attention_mask, 21, eos, **room)
+        assert torch.equal(actual, expected)
     assert spy.widths and set(spy.widths) == {4}

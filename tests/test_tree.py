@@ -11,9 +11,11 @@ from transformers import DynamicCache, LogitsProcessorList, RepetitionPenaltyLog
 from hf_dflash.generation.tree import (
     DraftTree,
     ancestor_mask,
+    chain_parents,
     greedy_tree_path,
     keep_tree_path,
     merge_branches,
+    padded_parents,
     process_tree_logits,
     tree_attention_bias,
     tree_depths,
@@ -274,3 +276,19 @@ def test_accepted_path_follows_the_continuation_as_far_as_the_tree_holds_it():
     assert accepted_path(tree, [4]) == [0, 5]
     assert accepted_path(tree, [2, 5]) == [0]
     assert accepted_path(tree, []) == [0]
+
+
+def test_padded_trees_and_masks_over_static_slots():
+    """Compiled rounds pad a tree to one size (padding nodes chained below the last node, never an ancestor of
+    a real node) and mask a static cache's empty slots."""
+    assert chain_parents(4) == (-1, 0, 1, 2)
+    parents = padded_parents((-1, 0, 0, 1), 3)
+    assert parents == (-1, 0, 0, 1, 3, 4, 5)
+    assert not ancestor_mask(parents)[:4, 4:].any()  # real nodes see no padding
+    bias = tree_attention_bias((-1, 0, 0), 2, torch.float32, torch.device("cpu"), key_slots=8)
+    assert bias.shape == (1, 1, 3, 8)
+    visible = bias[0, 0] == 0
+    assert visible[:, :2].all() and not visible[:, 5:].any()  # context seen, empty slots never
+    assert visible[2, 2] and not visible[2, 3] and visible[2, 4]  # node 2 sees the root and itself only
+    with pytest.raises(ValueError, match="does not fit 4 key slots"):
+        tree_attention_bias((-1, 0, 0), 2, torch.float32, torch.device("cpu"), key_slots=4)

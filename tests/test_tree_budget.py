@@ -15,6 +15,7 @@ from hf_dflash.generation.cost_timing import (
     measured_cost_model,
 )
 from hf_dflash.generation.hybrid import TreeBudget, best_tree_size
+from hf_dflash.generation.tree_drafting import fixed_tree_size
 from tests.conftest import make_drafter, make_target
 from tests.test_adaptive import FakeMeasure
 
@@ -165,3 +166,18 @@ def test_copy_estimates_keep_unreached_slots_at_the_prior():
         estimate.observe(compared=1, agreed=0)  # the first draft was rejected once
     torch.testing.assert_close(copy.expected_tokens(), tensor([1.0, 1.5, 2.0, 2.5]))
     torch.testing.assert_close(model.expected_tokens(), tensor([1.0, 1.5, 1.75, 1.875]))
+
+
+def test_fixed_verification_cost_keeps_drafting_and_flattens_verification():
+    """Compiled rounds verify one width: round(k) = drafting(k) + verify(width), verify(n) = verify(width)."""
+    cost = CostModel.from_function(lambda k: 0.1 * k + (0.01 if k > 1 else 0), 8, verification=lambda n: 0.1 * n)
+    fixed = cost.at_fixed_verification(8)
+    rounds = fixed.round_seconds(1, 8)
+    assert torch.allclose(rounds, torch.tensor([0.8] + [0.81] * 7, dtype=torch.float64))
+    assert torch.allclose(fixed.verification_seconds_per_length(1, 16), torch.full((16,), 0.8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="verification=True"):
+        CostModel.from_function(lambda k: 0.1 * k, 8).at_fixed_verification(8)
+    # "auto" trees under compiled verification: the largest size within 1.25x the block's verification
+    flat_then_linear = CostModel.from_function(lambda k: 0.1, 8, lambda n: 0.1 if n <= 16 else 0.1 * n / 16, 64)
+    assert fixed_tree_size(flat_then_linear, 8) == 20
+    assert fixed_tree_size(CostModel.from_function(lambda k: 0.1, 8, lambda n: 0.1 * n, 64), 8) == 10

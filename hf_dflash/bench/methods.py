@@ -39,9 +39,11 @@ from dataclasses import dataclass
 import torch
 
 from ..generation.compiling import compiled_generate_kwargs, static_slots
+from ..generation.tree_drafting import AUTO_MAX_NODES
 
 __all__ = [
     "COMPILED_METHODS",
+    "EAGER_METHODS",
     "METHODS",
     "PLAIN_METHODS",
     "PROMPT_LOOKUP_NUM_TOKENS",
@@ -52,18 +54,19 @@ __all__ = [
     "Generation",
     "branch_tokens",
     "check_methods",
+    "eager_method",
     "generate_with",
     "max_round_length",
 ]
 
-METHODS = (
-    "plain", "dflash", "builtin", "lookup", "tree", "hybrid", "hybrid-tree", "plain-alt", "plain-compiled", "dflash-compiled"
-)  # fmt: skip
+EAGER_METHODS = ("plain", "dflash", "builtin", "lookup", "tree", "hybrid", "hybrid-tree", "plain-alt")
+# StaticCache + compile_config (`compiled_generate_kwargs`), compiled in the warm-up: X-compiled runs X compiled
+COMPILED_METHODS = ("plain-compiled", "dflash-compiled", "tree-compiled", "hybrid-compiled", "hybrid-tree-compiled")
+METHODS = EAGER_METHODS + COMPILED_METHODS
 TREE_SETTING = "auto"  # drafter.draft_tree of the "tree" and "hybrid-tree" methods
-TREE_METHODS = ("tree", "hybrid-tree")  # the drafter drafts its own tree
-HYBRID_METHODS = ("hybrid", "hybrid-tree")  # DFlash drafts + an n-gram branch, one tree
-OWN_LOOP_METHODS = ("dflash", "dflash-compiled", *TREE_METHODS, "hybrid")  # rounds reported by the drafter (our loop)
-COMPILED_METHODS = ("plain-compiled", "dflash-compiled")  # StaticCache + compile_config, compiled in the warm-up
+TREE_METHODS = ("tree", "hybrid-tree", "tree-compiled", "hybrid-tree-compiled")  # the drafter drafts its own tree
+HYBRID_METHODS = ("hybrid", "hybrid-tree", "hybrid-compiled", "hybrid-tree-compiled")  # + an n-gram branch, one tree
+OWN_LOOP_METHODS = ("dflash", "dflash-compiled", *TREE_METHODS, *HYBRID_METHODS)  # rounds reported by our loop
 PLAIN_METHODS = ("plain", "plain-alt", "plain-compiled")  # no drafting: the candidates for the baseline
 PROMPT_LOOKUP_NUM_TOKENS = 10
 
@@ -164,8 +167,6 @@ def method_kwargs(method: str, drafter: torch.nn.Module | None) -> dict:
     if method in (*OWN_LOOP_METHODS, "builtin") and drafter is None:
         raise ValueError(f"Method {method!r} needs a drafter.")
     return {
-        "plain-compiled": {},
-        "dflash-compiled": {"assistant_model": drafter},
         "plain": {},
         "plain-alt": {},
         "dflash": {"assistant_model": drafter},
@@ -174,14 +175,19 @@ def method_kwargs(method: str, drafter: torch.nn.Module | None) -> dict:
         "lookup": {"prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS},
         "hybrid": {"assistant_model": drafter, "prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS},
         "hybrid-tree": {"assistant_model": drafter, "prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS},
-    }[method]
+    }[eager_method(method)]
+
+
+def eager_method(method: str) -> str:
+    """The method a compiled one runs compiled ("dflash-compiled" -> "dflash"); eager methods: themselves."""
+    return method.removesuffix("-compiled")
 
 
 def max_round_length(method: str, block_size: int) -> int:
     """The most tokens one verification round of `method` can commit (drafts + bonus)."""
-    longest = {"plain": 1, "plain-alt": 1, "plain-compiled": 1, "dflash": block_size, "dflash-compiled": block_size,
-               "builtin": block_size, "tree": block_size, "lookup": PROMPT_LOOKUP_NUM_TOKENS + 1}  # fmt: skip
-    return longest.get(method, max(block_size, PROMPT_LOOKUP_NUM_TOKENS + 1))  # hybrid: the deeper branch
+    longest = {"plain": 1, "plain-alt": 1, "dflash": block_size, "builtin": block_size, "tree": block_size,
+               "lookup": PROMPT_LOOKUP_NUM_TOKENS + 1}  # fmt: skip
+    return longest.get(eager_method(method), max(block_size, PROMPT_LOOKUP_NUM_TOKENS + 1))  # hybrid: the deeper branch
 
 
 def _synchronize(device: torch.device) -> None:
@@ -190,10 +196,16 @@ def _synchronize(device: torch.device) -> None:
 
 
 def static_cache_slots(method: str, drafter, prompt_length: int, max_new_tokens: int) -> int:
-    """The StaticCache length of a compiled method's call: prompt + max_new_tokens (+ the block, room for a
-    padded last block: `dflash-compiled`), rounded up to `STATIC_SLOT_MULTIPLE`. Each length is a graph."""
-    block = drafter.config.block_size if method == "dflash-compiled" else 0
-    return static_slots(prompt_length + max_new_tokens, block)
+    """The StaticCache length of a compiled method's call: prompt + max_new_tokens + the most tokens a round
+    verifies (room for a padded last round; trees and hybrid need it for every tree), rounded up to
+    `STATIC_SLOT_MULTIPLE`. Each length is a graph."""
+    base = eager_method(method)
+    if base == "plain":
+        return static_slots(prompt_length + max_new_tokens)
+    block = drafter.config.block_size
+    nodes = max(AUTO_MAX_NODES, block) if base in TREE_METHODS else block
+    width = nodes + PROMPT_LOOKUP_NUM_TOKENS if base in HYBRID_METHODS else nodes
+    return static_slots(prompt_length + max_new_tokens, width)
 
 
 def generate_with(
@@ -246,7 +258,7 @@ def generate_with(
         sequences=sequences,
         seconds=seconds,
         acceptance_lengths=lengths,
-        block_sizes=block_sizes if method in ("dflash", "dflash-compiled", "tree") else None,
+        block_sizes=block_sizes if eager_method(method) in ("dflash", "tree") else None,
         branches=branches,
         round_costs=round_costs,
     )

@@ -157,7 +157,12 @@ def _columns(lines: list[tuple[str, ...]]) -> list[str]:
     return text
 
 
-HYBRID_RIVALS = {"hybrid": ("dflash", "lookup"), "hybrid-tree": ("tree", "hybrid")}  # what each must beat
+HYBRID_RIVALS = {  # what each must beat
+    "hybrid": ("dflash", "lookup"),
+    "hybrid-tree": ("tree", "hybrid"),
+    "hybrid-compiled": ("dflash-compiled", "hybrid"),
+    "hybrid-tree-compiled": ("tree-compiled", "hybrid-compiled"),
+}
 
 
 def format_hybrid_table(report: dict, method: str = "hybrid") -> str:

@@ -166,11 +166,18 @@ class AdaptiveBlockSize:
         if not self.prior_weight > 0:
             raise ValueError(f"AdaptiveBlockSize.prior_weight must be > 0, got {self.prior_weight!r}.")
 
-    def start(self, target: PreTrainedModel, drafter: DFlashDraftModel, batch_size: int) -> AdaptiveController:
-        """The controller of one `generate` call (measures or loads the cost model when none was given)."""
+    def start(
+        self, target: PreTrainedModel, drafter: DFlashDraftModel, batch_size: int, fixed_verification: bool = False
+    ) -> AdaptiveController:
+        """The controller of one `generate` call (measures or loads the cost model when none was given).
+        `fixed_verification`: every round verifies B tokens (compiled verification pads to one shape), so a
+        shorter block saves only drafting (`CostModel.at_fixed_verification`)."""
         cost_model = self.cost_model
         if cost_model is None:
-            cost_model = measured_cost_model(target, drafter, sorted({1, batch_size}), self.cache_dir)
+            rows = sorted({1, batch_size})
+            cost_model = measured_cost_model(target, drafter, rows, self.cache_dir, verification=fixed_verification)
+        if fixed_verification:
+            cost_model = cost_model.at_fixed_verification(drafter.config.block_size)
         return AdaptiveController(self, drafter.config.block_size, batch_size, cost_model)
 
 
@@ -211,12 +218,15 @@ def is_block_size(k, max_block_size: int) -> bool:
     return isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= max_block_size
 
 
-def block_size_controller(drafter: DFlashDraftModel, target: PreTrainedModel, batch_size: int) -> BlockSizeController:
+def block_size_controller(
+    drafter: DFlashDraftModel, target: PreTrainedModel, batch_size: int, fixed_verification: bool = False
+) -> BlockSizeController:
     """The controller for one `generate` call from `drafter.block_size_policy`; unset, the policy the
     drafter's config recommends (`DFlashConfig.block_size_policy`); neither: fixed B.
 
     Accepted policies: None (the trained block size B), an int 1 <= k <= B, "adaptive", an
     `AdaptiveBlockSize`, or a callable round_index -> k. Anything else raises ValueError.
+    `fixed_verification`: every round verifies B tokens (compiled verification; `AdaptiveBlockSize.start`).
     """
     max_block_size = drafter.config.block_size
     # An optional user setting on our own model class, not state: unset means the config's recommendation.
@@ -228,7 +238,7 @@ def block_size_controller(drafter: DFlashDraftModel, target: PreTrainedModel, ba
     if isinstance(policy, str) and policy == "adaptive":
         policy = AdaptiveBlockSize()
     if isinstance(policy, AdaptiveBlockSize):
-        return policy.start(target, drafter, batch_size)
+        return policy.start(target, drafter, batch_size, fixed_verification)
     if is_block_size(policy, max_block_size):
         return FixedBlockSize(policy)
     if callable(policy):

@@ -36,28 +36,18 @@ def compiled_generate_kwargs(target, slots: int) -> dict:
     return {cache_keyword(target): StaticCache(config=target.config, max_cache_len=slots), "compile_config": config}
 
 
-def choose_compile(setting: str, device: torch.device | str, batch_size: int, dflash: bool) -> tuple[bool, str]:
+def choose_compile(setting: str, device: torch.device | str) -> tuple[bool, str]:
     """(compile or not, why) for `--compile auto|on|off`.
 
     `auto` follows Transformers' own default: compiled on accelerators (CUDA graphs remove the launch and
     Python overhead of a round's small kernels), eager on CPU: on a 2-core Zen 4 compiled DFlash was 1.16x
     eager in fp32 and 1.03x in bf16, after 40-85 s of compile per static cache length (docs/results.md,
-    "Static cache and torch.compile"), which only long runs win back. `on` with DFlash needs batch size 1
-    (the loop's static cache serves one row)."""
+    "Static cache and torch.compile"), which only long runs win back."""
     if setting not in COMPILE_SETTINGS:
         raise ValueError(f"--compile must be one of {', '.join(COMPILE_SETTINGS)}, got {setting!r}.")
     device_type = torch.device(device).type
     if setting == "auto":
         if device_type == "cpu":
             return False, "auto: eager on CPU (a compile costs ~1 min per cache length for a few % here; --compile on)"
-        if dflash and batch_size > 1:
-            return False, f"auto: eager (batched DFlash, batch size {batch_size}, needs a dynamic cache)"
         return True, f"auto: compiled on {device_type} (static cache, CUDA graphs)"
-    if setting == "off":
-        return False, "off"
-    if dflash and batch_size > 1:
-        raise ValueError(
-            f"--compile on with a drafter needs --batch-size 1 (got {batch_size}): compiled DFlash keeps one row "
-            "in a static cache. Pass --batch-size 1, or --compile off for batched DFlash."
-        )
-    return True, "on"
+    return setting == "on", setting

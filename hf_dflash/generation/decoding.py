@@ -12,8 +12,13 @@ streamer) and serves any batch size. Every round is the same five steps over the
     commit   each row's tokens one by one up to its first stop (EOS, stop string, length, time, custom),
              so a stop met inside an accepted block ends the output exactly where plain decoding does
     rollback the cache slots of rejected drafts become holes (batch N: masked like left padding, the
-             tail common to all rows cropped, compacted when holes pile up) or are cropped (batch 1);
+             tail common to all rows cropped, compacted when holes pile up; a static cache keeps its
+             finished rows idle and compacts only when a round would not fit) or are cropped (batch 1);
              the accepted slots' target features become the drafter's next context
+
+With a static cache and `compile_config` (`compiled_verification`), every round after the prefill verifies
+one width with the compiled forward (padded; trees and chains alike through the tree mask when trees may
+come), so one graph serves the call.
 
 Batch 1 is the case where every slot is valid. Lossless by construction: a row sees exactly the keys
 and positions plain decoding gives it, and every token it commits is the target's own choice
@@ -32,21 +37,23 @@ from dataclasses import dataclass
 import torch
 import transformers
 from transformers import GenerationConfig, PreTrainedModel
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, StaticCache, StaticLayer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..caches import compact_cache, needs_compaction
 from ..modeling_dflash import DFlashDraftModel
 from ..target_features import target_layer_features
-from .adaptive import block_size_controller
+from .adaptive import FixedBlockSize, block_size_controller
 from .drafting import BlockDrafter, Drafts
 from .hybrid import HybridDrafting, verifies_trees
 from .pairing import check_pairing
 from .stats import AcceptanceStats
 from .tree import (
     DraftTree,
+    chain_parents,
     greedy_tree_path,
     keep_tree_path,
+    padded_parents,
     process_tree_logits,
     sampled_tree_path,
     tree_attention_bias,
@@ -162,9 +169,10 @@ def check_decoding_options(model, batch_size: int, generation_config, streamer) 
 
 
 def check_cache(cache, drafter: DFlashDraftModel, generation_config: GenerationConfig, batch_size: int) -> None:
-    """The target cache must exist; with several rows it must be a DynamicCache whose sliding windows (if
-    any) generation cannot reach, since the holes of rejected drafts would shift a window (a window counts
-    slots), and the drafter must have no sliding-window layers for the same reason."""
+    """The target cache must exist and roll back; with several rows it must be a DynamicCache whose sliding
+    windows (if any) generation cannot reach, since the holes of rejected drafts would shift a window (a
+    window counts slots), or a StaticCache without windows, and the drafter must have no sliding-window
+    layers for the same reason."""
     if cache is None:
         raise ValueError("DFlash generation needs a target cache; do not pass use_cache=False.")
     fixed = sorted({type(layer).__name__ for layer in cache.layers if not getattr(layer, "is_croppable", True)})
@@ -176,8 +184,12 @@ def check_cache(cache, drafter: DFlashDraftModel, generation_config: GenerationC
         )
     if batch_size == 1:
         return
-    if not isinstance(cache, DynamicCache):
-        raise ValueError(f"Batched DFlash needs a DynamicCache for the target, got {type(cache).__name__}.")
+    static = isinstance(cache, StaticCache) and all(type(layer) is StaticLayer for layer in cache.layers)
+    if not isinstance(cache, DynamicCache) and not static:
+        raise ValueError(
+            f"Batched DFlash needs a DynamicCache or a StaticCache of full-attention layers for the target, got "
+            f"{type(cache).__name__} ({', '.join(sorted({type(layer).__name__ for layer in cache.layers}))})."
+        )
     reachable = 2 * generation_config.max_length + drafter.config.block_size
     for layer in cache.layers:
         window = getattr(layer, "sliding_window", None)
@@ -235,11 +247,13 @@ class DecodingLoop:
         self.stop_lengths: dict[int, int] = {}  # row -> length at which a stopping criterion was met
         self.rows = list(range(batch))  # original row of each active entry
         hybrid = self.generation_config.prompt_lookup_num_tokens is not None
-        self.hybrid = HybridDrafting(self.drafter, self.target, self.generation_config, self.cache) if hybrid else None
-        self.controller = None if hybrid else block_size_controller(self.drafter, self.target, batch_size=batch)
+        self.compiled = compiled_verification(self.target, self.generation_config, model_kwargs)
+        # A static cache keeps its batch (and a compiled graph its shapes): rows that finish stay in it, idle.
+        self.cache_rows = torch.arange(batch, device=input_ids.device) if self.cache.is_compileable else None
+        fixed_width = self.compiled is not None  # compiled rounds verify one width: the policies weigh drafting only
         # Sampling with hybrid drafting chooses one branch before verification: the block stays a chain there.
         one_branch = hybrid and bool(self.generation_config.do_sample)
-        self.trees = None if one_branch else tree_drafting(self.drafter, self.target)
+        self.trees = None if one_branch else tree_drafting(self.drafter, self.target, fixed_width)
         if self.trees is not None:
             max_nodes, max_length = self.trees.max_nodes, self.generation_config.max_length
             if batch > 1:  # one tree per row would need a mask per row: larger batches draft chains
@@ -250,16 +264,23 @@ class DecodingLoop:
             elif not verifies_trees(self.target, self.cache, max_length, max_nodes):
                 warnings.warn(
                     "This target cannot verify a draft tree in one forward (attention other than eager/SDPA, "
-                    "a cache other than DynamicCache, or a sliding window generation can reach): drafting chains.",
+                    "a cache other than DynamicCache/StaticCache, a sliding window generation can reach, or a "
+                    f"static cache without {max_nodes} slots beyond max_length): drafting chains.",
                     stacklevel=2,
                 )
                 self.trees = None
+        self.controller = None
+        if not hybrid:
+            self.controller = block_size_controller(self.drafter, self.target, batch, fixed_verification=fixed_width)
+        self.round_width = self.verification_width(hybrid, one_branch)
+        self.hybrid = None
+        if hybrid:
+            width = self.round_width if fixed_width else None
+            self.hybrid = HybridDrafting(self.drafter, self.target, self.generation_config, self.cache, width)
+        # Compiled rounds that may verify a tree pass every round as one (a chain is a tree): one graph, one mask.
+        self.tree_rounds = fixed_width and (self.trees is not None or (hybrid and not one_branch))
         self.target_mask = input_ids.new_zeros(batch, 0)  # (B, T) validity of the target cache's slots
         self.context, self.context_mask = None, None  # target features the drafter has not read yet
-        chains_only = batch == 1 and not hybrid and self.trees is None
-        self.compiled = (
-            compiled_verification(self.target, self.generation_config, model_kwargs) if chains_only else None
-        )
 
         # Round 0 is the prefill: it reads the whole prompt (and, hybrid, may verify n-gram drafts).
         unread = input_ids  # (B, u) committed tokens the target has not read
@@ -275,7 +296,7 @@ class DecodingLoop:
             if counts_as_round:
                 self.stats.block_sizes.append(planned.block_length)
                 self.stats.first_round_in_prefill |= prefill
-            outputs = self.verify(unread, unread_mask, drafts, tree, prefill, model_kwargs, planned.block_length)
+            outputs = self.verify(unread, unread_mask, drafts, tree, prefill, model_kwargs)
             verdict = self.accept(prefixes, drafts, tree, outputs)
             committed = self.commit(verdict, counts_as_round)
             if self.controller is not None and counts_as_round:
@@ -301,6 +322,17 @@ class DecodingLoop:
             self.streamer.end()
         width = max(min(length, self.cap) for length in self.lengths)
         return self.sequences[:, :width]
+
+    def verification_width(self, hybrid: bool, one_branch: bool) -> int:
+        """The most tokens a round after the prefill verifies (batch 1: the bonus and its drafts): a fixed
+        block k, else the trained block B; a drafter tree's node budget; hybrid: the block's nodes + the
+        n-gram drafts (sampling: whichever branch is longer). Compiled rounds are padded to this width."""
+        block = self.controller.block_size if isinstance(self.controller, FixedBlockSize) else None
+        nodes = self.trees.max_nodes if self.trees is not None else (block or self.drafter.config.block_size)
+        if not hybrid:
+            return nodes
+        ngram = self.generation_config.prompt_lookup_num_tokens
+        return max(nodes, 1 + ngram) if one_branch else nodes + ngram
 
     # --- the steps of a round ---
 
@@ -335,25 +367,30 @@ class DecodingLoop:
         tree = None if self.hybrid.tree.is_chain else self.hybrid.tree
         return RoundDraft(drafts, tree, block_length, num_drafts)
 
-    def verify(
-        self, unread, unread_mask, drafts: Drafts, tree: DraftTree | None, prefill: bool, model_kwargs, width: int
-    ):
+    def verify(self, unread, unread_mask, drafts: Drafts, tree: DraftTree | None, prefill: bool, model_kwargs):
         """ONE target forward over [unread (B, u), drafts (B, d)] with the hidden states the drafter needs.
 
         The prefill goes through `prepare_inputs_for_generation` with `generate`'s own model kwargs, as plain
         decoding's first step does; later rounds give each row its positions (its number of valid slots)
         and a 2D mask of the valid slots. A tree (batch 1) sees its context and its ancestors only. Compiled
-        rounds verify exactly `width` tokens (the block length): fewer drafts are padded (`pad_round`); a
-        round whose padded block would not fit the static cache runs eager instead of compiling a new shape."""
+        rounds verify exactly `self.round_width` tokens: fewer are padded (`pad_round`; a tree's padding
+        nodes hang below its last node), and where trees may come every round goes as a tree (a chain is one),
+        so one graph serves them all; a round whose padded width would not fit the static cache runs eager
+        instead of compiling a new shape."""
         tokens = torch.cat([unread, drafts.tokens], 1)
         num_drafts = drafts.tokens.shape[1]
         forward, padding = self.target, 0
+        parents = tree.parents if tree is not None else None
+        if not prefill and self.cache_rows is not None:
+            self.make_room(tokens.shape[1], self.round_width)
         if not prefill and self.compiled is not None:
-            padding = max(0, width - tokens.shape[1])
-            if self.target_mask.shape[1] + tokens.shape[1] + padding <= cache_capacity(self.cache):
+            padding = self.round_width - tokens.shape[1]
+            if padding >= 0 and self.target_mask.shape[1] + self.round_width <= cache_capacity(self.cache):
                 forward = self.compiled
                 tokens = pad_round(tokens, padding) if padding else tokens
-            else:  # the padded block would not fit the cache (the last round): eager, no new graph
+                if self.tree_rounds:
+                    parents = padded_parents(parents or chain_parents(tokens.shape[1] - padding), padding)
+            else:  # the padded round would not fit the cache (the last round): eager, no new graph
                 padding = 0
         if prefill:
             kwargs = dict(model_kwargs)
@@ -367,23 +404,53 @@ class DecodingLoop:
             model_inputs = self.target.prepare_inputs_for_generation(tokens, is_first_iteration=True, **kwargs)
         else:
             fresh = unread_mask.new_ones(tokens.shape)  # after the prefill every row's unread token is valid
+            mask = torch.cat([self.target_mask, fresh], 1)
+            positions = self.target_mask.sum(1, keepdim=True) + fresh.cumsum(1) - 1
+            if self.cache_rows is not None:  # idle rows (finished) read their own slots, and are ignored
+                tokens, mask = self.all_cache_rows(tokens, self.pad), self.all_cache_rows(mask, 1)
+                positions = self.all_cache_rows(positions, 0)
             model_inputs = self.target.prepare_inputs_for_generation(
                 tokens,
-                attention_mask=torch.cat([self.target_mask, fresh], 1),
-                position_ids=self.target_mask.sum(1, keepdim=True) + fresh.cumsum(1) - 1,
+                attention_mask=mask,
+                position_ids=positions,
                 use_cache=True,
                 **{self.cache_key: self.cache},
             )
         if "logits_to_keep" in model_inputs:
             model_inputs["logits_to_keep"] = num_drafts + 1 + padding
         model_inputs |= self.hidden_request
-        if tree is not None:  # each node sees the context and its ancestors, at position root + depth
-            model_inputs |= tree_inputs(self.target, model_inputs, tree, self.target_mask.shape[1])
+        if parents is not None:  # each node sees the context and its ancestors, at position root + depth
+            key_slots = cache_capacity(self.cache) if self.cache.is_compileable else None
+            model_inputs |= tree_inputs(self.target, model_inputs, parents, self.target_mask.shape[1], key_slots)
         outputs = forward(**model_inputs)
         if padding:
             self.cache.crop(-padding)
             outputs = drop_padding(outputs, padding)
+        if self.cache_rows is not None and len(self.cache_rows) < outputs.logits.shape[0]:
+            outputs = select_rows(outputs, self.cache_rows)
         return outputs
+
+    def all_cache_rows(self, values: torch.Tensor, fill: int) -> torch.Tensor:
+        """values (R, n) of the active rows laid out over all the static cache's rows (B, n), `fill` elsewhere."""
+        batch = self.cache.layers[0].keys.shape[0]
+        if len(self.cache_rows) == batch:
+            return values
+        full = values.new_full((batch, values.shape[1]), fill)
+        full[self.cache_rows] = values
+        return full
+
+    def make_room(self, needed: int, wanted: int) -> None:
+        """Compact a static cache's holes (rejected drafts of some rows) when `wanted` more slots (a padded
+        compiled round) would not fit; ValueError if even `needed` (the round itself) does not fit then."""
+        if self.target_mask.shape[1] + max(needed, wanted) <= cache_capacity(self.cache):
+            return
+        valid = self.all_cache_rows(self.target_mask, 0)  # idle rows keep nothing
+        self.target_mask = compact_cache(self.cache, valid)[self.cache_rows]
+        if self.target_mask.shape[1] + needed > cache_capacity(self.cache):
+            raise ValueError(
+                f"The static cache ({cache_capacity(self.cache)} slots) cannot hold a round of {needed} tokens after "
+                f"{self.target_mask.shape[1]} kept slots: pass max_cache_len >= max_length + {wanted}."
+            )
 
     def accept(self, prefixes, drafts: Drafts, tree: DraftTree | None, outputs) -> Verdict:
         """The tokens each row commits, as the target decides. A tree's outputs come laid out along its
@@ -482,12 +549,15 @@ class DecodingLoop:
         index = None
         if len(keep) < len(self.rows):
             index = torch.tensor(keep, device=self.target_mask.device)
-            self.cache.batch_select_indices(index)
+            if self.cache_rows is None:
+                self.cache.batch_select_indices(index)
+            else:  # a static cache keeps every row (`verify` feeds the finished ones idle tokens)
+                self.cache_rows = self.cache_rows[index]
             self.target_mask = self.target_mask[index]
             self.context, self.context_mask = self.context[index], self.context_mask[index]
             self.rows = [self.rows[i] for i in keep]
         self.block.prune(index)
-        if needs_compaction(self.target_mask):
+        if self.cache_rows is None and needs_compaction(self.target_mask):  # static caches: `make_room`
             self.target_mask = compact_cache(self.cache, self.target_mask)
         return True
 
@@ -523,6 +593,14 @@ def pad_round(tokens: torch.LongTensor, padding: int) -> torch.LongTensor:
     return torch.cat([tokens, tokens[:, -1:].expand(-1, padding)], 1)
 
 
+def select_rows(outputs, rows: torch.LongTensor):
+    """`outputs` of the rows `rows` only (logits and hidden states)."""
+    outputs.logits = outputs.logits[rows]
+    if outputs.hidden_states is not None:
+        outputs.hidden_states = tuple(None if h is None else h[rows] for h in outputs.hidden_states)
+    return outputs
+
+
 def drop_padding(outputs, padding: int):
     """`outputs` of a padded round without its last `padding` positions (logits and hidden states)."""
     outputs.logits = outputs.logits[:, :-padding]
@@ -531,18 +609,19 @@ def drop_padding(outputs, padding: int):
     return outputs
 
 
-def tree_inputs(model, model_inputs: dict, tree: DraftTree, past: int) -> dict:
-    """The 4D attention mask and per-node position ids of a tree forward over N nodes after `past` cached
-    slots. The root (the bonus token) sits where a chain's first token would (the position the chain
-    inputs give it); node i at root + depth(i). Context slots masked out by the 2D mask stay masked."""
+def tree_inputs(model, model_inputs: dict, parents: tuple[int, ...], past: int, key_slots: int | None = None) -> dict:
+    """The 4D attention mask and per-node position ids of a tree forward over N nodes (`parents`) after `past`
+    cached slots, over `key_slots` keys (a static cache's length; default past + N). The root (the bonus
+    token) sits where a chain's first token would (the position the chain inputs give it); node i at
+    root + depth(i). Context slots masked out by the 2D mask stay masked."""
     device = model_inputs["input_ids"].device
-    bias = tree_attention_bias(tree.parents, past, model.dtype, device)
+    bias = tree_attention_bias(parents, past, model.dtype, device, key_slots)
     mask = model_inputs.get("attention_mask")
-    if mask is not None and mask.dim() == 2 and not bool(mask[0, :past].all()):
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask[0, :past].all()):
         visible = mask[0, :past].bool().to(device)
         bias[..., :past] = bias[..., :past].masked_fill(~visible, torch.finfo(model.dtype).min)
-    root = int(model_inputs["position_ids"][0, -tree.num_nodes])
-    return {"attention_mask": bias, "position_ids": (root + tree_depths(tree.parents)).to(device)[None]}
+    root = int(model_inputs["position_ids"][0, -len(parents)])
+    return {"attention_mask": bias, "position_ids": (root + tree_depths(parents)).to(device)[None]}
 
 
 def split_hidden_states(layer_states: tuple, prompt_length: int, kept: int, prefill: bool) -> tuple:

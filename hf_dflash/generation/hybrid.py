@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import PreTrainedModel
-from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, StaticCache, StaticLayer
 
 from ..modeling_dflash import DFlashDraftModel
 from .adaptive import (
@@ -183,11 +183,17 @@ class TreeBudget:
 
 
 def tree_budget(
-    drafter: DFlashDraftModel, target: PreTrainedModel, max_ngram_tokens: int, one_branch: bool
+    drafter: DFlashDraftModel,
+    target: PreTrainedModel,
+    max_ngram_tokens: int,
+    one_branch: bool,
+    verification_width: int | None = None,
 ) -> TreeBudget:
     """The budget of one hybrid `generate` call from `drafter.block_size_policy`: None or "adaptive" (the
     default here: the cost model measured once per pair and machine, verification passes included), an
-    `AdaptiveBlockSize`, a fixed k or a schedule (tree = that block + every n-gram draft found)."""
+    `AdaptiveBlockSize`, a fixed k or a schedule (tree = that block + every n-gram draft found).
+    `verification_width`: every round verifies that many tokens (compiled verification pads to one shape),
+    so the budget weighs only the drafter's pass (`CostModel.at_fixed_verification`)."""
     policy = getattr(drafter, POLICY_ATTRIBUTE, None)
     if policy is None or (isinstance(policy, str) and policy == "adaptive"):
         policy = AdaptiveBlockSize()
@@ -196,6 +202,8 @@ def tree_budget(
         cost_model = policy.cost_model
         if cost_model is None:
             cost_model = measured_cost_model(target, drafter, (1,), policy.cache_dir, verification=True)
+        if verification_width is not None:
+            cost_model = cost_model.at_fixed_verification(verification_width)
         return TreeBudget(max_block_size, max_ngram_tokens, one_branch, policy, cost_model=cost_model)
     block = block_size_controller(drafter, target, batch_size=1)  # a fixed k or a schedule; bad ones raise
     return TreeBudget(max_block_size, max_ngram_tokens, one_branch, AdaptiveBlockSize(), block=block)
@@ -204,14 +212,17 @@ def tree_budget(
 def verifies_trees(model: PreTrainedModel, cache, max_length: int, max_nodes: int) -> bool:
     """Whether the target can verify a draft tree in one forward: an attention that takes our 4D mask
     (eager, SDPA) and a DynamicCache whose layers are full attention, or sliding windows that generation
-    cannot reach (the tree mask does not encode a window)."""
-    if model.config._attn_implementation not in ("eager", "sdpa") or type(cache) is not DynamicCache:
+    cannot reach (the tree mask does not encode a window), or a StaticCache of full-attention layers with
+    room for a whole tree after `max_length` tokens (the mask then spans all its slots)."""
+    if model.config._attn_implementation not in ("eager", "sdpa") or type(cache) not in (DynamicCache, StaticCache):
         return False
     reachable = max_length + max_nodes
     for layer in cache.layers:
         if type(layer) is DynamicSlidingWindowLayer and layer.sliding_window <= reachable:
             return False
-        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
+        if type(layer) is StaticLayer and layer.max_cache_len < reachable:
+            return False
+        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer):
             return False
     return True
 
@@ -224,7 +235,14 @@ class HybridDrafting:
     `observe` records the round and teaches the budget which branch was right.
     """
 
-    def __init__(self, drafter: DFlashDraftModel, target: PreTrainedModel, generation_config, cache):
+    def __init__(
+        self,
+        drafter: DFlashDraftModel,
+        target: PreTrainedModel,
+        generation_config,
+        cache,
+        verification_width: int | None = None,
+    ):
         max_ngram_size = generation_config.max_matching_ngram_size
         self.prompt_lookup = PromptLookup(
             generation_config.prompt_lookup_num_tokens,
@@ -234,7 +252,7 @@ class HybridDrafting:
         self.max_length = generation_config.max_length
         max_nodes = drafter.config.block_size + self.prompt_lookup.num_tokens
         one_branch = self.do_sample or not verifies_trees(target, cache, self.max_length, max_nodes)
-        self.budget = tree_budget(drafter, target, self.prompt_lookup.num_tokens, one_branch)
+        self.budget = tree_budget(drafter, target, self.prompt_lookup.num_tokens, one_branch, verification_width)
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.ngram_found: torch.LongTensor | None = None  # the n-gram continuation found this round
         self.tree: DraftTree | None = None  # the round's draft as a tree (a chain unless both branches drafted)

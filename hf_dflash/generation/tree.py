@@ -135,6 +135,18 @@ def tree_depths(parents: Sequence[int]) -> torch.LongTensor:
     return torch.tensor(depths, dtype=torch.long)
 
 
+def chain_parents(num_nodes: int) -> tuple[int, ...]:
+    """The parents of a chain of `num_nodes` nodes: (-1, 0, 1, ..., num_nodes - 2)."""
+    return tuple(range(-1, num_nodes - 1))
+
+
+def padded_parents(parents: Sequence[int], padding: int) -> tuple[int, ...]:
+    """`parents` followed by `padding` nodes chained after the last one: a tree padded to a fixed node count
+    (compiled verification). No real node has them as ancestors, so they change no real node's output."""
+    size = len(parents)
+    return tuple(parents) + tuple(range(size - 1, size - 1 + padding))
+
+
 def ancestor_mask(parents: Sequence[int]) -> torch.BoolTensor:
     """(N, N) bool: [i, j] = node j is node i or one of its ancestors (lower-triangular; causal for a chain)."""
     size = len(parents)
@@ -145,12 +157,24 @@ def ancestor_mask(parents: Sequence[int]) -> torch.BoolTensor:
 
 
 def tree_attention_bias(
-    parents: Sequence[int], past_length: int, dtype: torch.dtype, device: torch.device
+    parents: Sequence[int], past_length: int, dtype: torch.dtype, device: torch.device, key_slots: int | None = None
 ) -> torch.Tensor:
-    """(1, 1, N, past_length + N) additive attention mask for the tree forward: 0 where a node may look (the
+    """(1, 1, N, S) additive attention mask for the tree forward over S key slots (default past_length + N;
+    a static cache's whole length, whose slots after the tree hold nothing yet): 0 where a node may look (the
     committed context and its ancestors), the dtype's minimum elsewhere. Transformers passes a 4D mask to
     the attention as is; eager and SDPA both add a float mask to the scores."""
-    visible = torch.cat([torch.ones(len(parents), past_length, dtype=torch.bool), ancestor_mask(parents)], 1)
+    size = len(parents)
+    empty = (key_slots or past_length + size) - past_length - size
+    if empty < 0:
+        raise ValueError(f"A tree of {size} nodes after {past_length} slots does not fit {key_slots} key slots.")
+    visible = torch.cat(
+        [
+            torch.ones(size, past_length, dtype=torch.bool),
+            ancestor_mask(parents),
+            torch.zeros(size, empty, dtype=torch.bool),
+        ],
+        1,
+    )
     bias = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
     return bias.to(device)[None, None]
 
@@ -234,7 +258,7 @@ def keep_tree_path(cache: Cache, num_nodes: int, keep: Sequence[int]) -> None:
         for layer in cache.layers:
             if not layer.is_initialized:
                 continue
-            start = layer.keys.shape[-2] - num_nodes
+            start = int(layer.get_seq_length()) - num_nodes  # static layers: their write position
             index = torch.tensor(keep, device=layer.keys.device) + start
             layer.keys[..., start : start + len(keep), :] = layer.keys[..., index, :]
             layer.values[..., start : start + len(keep), :] = layer.values[..., index, :]

@@ -32,6 +32,9 @@ TREE_ATTRIBUTE = "draft_tree"  # the drafter attribute `generate` reads
 AUTO_MAX_NODES = 64  # the largest tree "auto" considers
 DEFAULT_TOP_K = 16  # candidates per slot (DFlash2: the target's token is in the drafter's top-16 99.5% of the time)
 CALIBRATION_DECAY = 0.9  # weight kept by past rounds in the calibration of the drafter's probabilities
+# Compiled verification reads one tree size every round: "auto" takes the largest tree whose verification costs
+# at most this much more than the trained block's on the measured curve.
+COMPILED_TREE_COST_RATIO = 1.25
 
 
 def best_tree_size(reach: torch.Tensor, seconds: torch.Tensor, calibration: float = 1.0) -> int:
@@ -94,15 +97,28 @@ def auto_tree_drafting(cost: CostModel, block_size: int) -> TreeDrafting:
     return TreeDrafting(AUTO_MAX_NODES, seconds=drafting.clamp_min(0) + verify[:AUTO_MAX_NODES])
 
 
-def tree_drafting(drafter: DFlashDraftModel, target: PreTrainedModel) -> TreeDrafting | None:
+def fixed_tree_size(cost: CostModel, block_size: int, ratio: float = COMPILED_TREE_COST_RATIO) -> int:
+    """The tree size of "auto" when every round verifies one size (compiled verification): the largest n <=
+    `AUTO_MAX_NODES` (at least the block B) whose measured verification costs at most `ratio` x that of B."""
+    verify = cost.verification_seconds_per_length(1, max(AUTO_MAX_NODES, block_size))
+    limit = ratio * float(verify[block_size - 1])
+    return max(n for n in range(block_size, max(AUTO_MAX_NODES, block_size) + 1) if float(verify[n - 1]) <= limit)
+
+
+def tree_drafting(
+    drafter: DFlashDraftModel, target: PreTrainedModel, fixed_verification: bool = False
+) -> TreeDrafting | None:
     """The tree setting of one `generate` call from `drafter.draft_tree`: None (chains), an int N >= 2 (trees
     of up to N nodes), "auto" (up to `AUTO_MAX_NODES`, sized by the measured cost curve), or a
-    `TreeDrafting`. Anything else raises ValueError."""
+    `TreeDrafting`. Anything else raises ValueError. `fixed_verification`: every round verifies the largest
+    tree's node count (compiled verification pads to one shape), so "auto" fixes one size (`fixed_tree_size`)."""
     setting = getattr(drafter, TREE_ATTRIBUTE, None)
     if setting is None or isinstance(setting, TreeDrafting):
         return setting
     if isinstance(setting, str) and setting == "auto":
         cost = measured_cost_model(target, drafter, (1,), verification=True, max_verified_tokens=AUTO_MAX_NODES)
+        if fixed_verification:
+            return TreeDrafting(fixed_tree_size(cost, drafter.config.block_size))
         return auto_tree_drafting(cost, drafter.config.block_size)
     if isinstance(setting, int) and not isinstance(setting, bool) and setting >= 2:
         return TreeDrafting(setting)
