@@ -104,10 +104,14 @@ class ForwardTimer:
         for handle in self.handles:
             handle.remove()
 
+    # A compiled target's call runs its hooks inside torch.compile: they stay outside the graph (dynamo cannot
+    # trace time.perf_counter, torch 2.13, and would recompile them until its limit).
+    @torch.compiler.disable
     def _start(self, module, args) -> None:
         _synchronize(self.module.device)
         self.started = time.perf_counter()
 
+    @torch.compiler.disable
     def _stop(self, module, args, output) -> None:
         _synchronize(self.module.device)
         self.seconds.append(time.perf_counter() - self.started)
