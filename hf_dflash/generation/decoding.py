@@ -249,7 +249,9 @@ class DecodingLoop:
         hybrid = self.generation_config.prompt_lookup_num_tokens is not None
         self.compiled = compiled_verification(self.target, self.generation_config, model_kwargs)
         # A static cache keeps its batch (and a compiled graph its shapes): rows that finish stay in it, idle.
-        self.cache_rows = torch.arange(batch, device=input_ids.device) if self.cache.is_compileable else None
+        static = self.cache.is_compileable
+        self.cache_rows = torch.arange(batch, device=input_ids.device) if static else None
+        self.capacity = cache_capacity(self.cache) if static else None  # a static cache's slots
         fixed_width = self.compiled is not None  # compiled rounds verify one width: the policies weigh drafting only
         # Sampling with hybrid drafting chooses one branch before verification: the block stays a chain there.
         one_branch = hybrid and bool(self.generation_config.do_sample)
@@ -385,7 +387,7 @@ class DecodingLoop:
             self.make_room(tokens.shape[1], self.round_width)
         if not prefill and self.compiled is not None:
             padding = self.round_width - tokens.shape[1]
-            if padding >= 0 and self.target_mask.shape[1] + self.round_width <= cache_capacity(self.cache):
+            if padding >= 0 and self.target_mask.shape[1] + self.round_width <= self.capacity:
                 forward = self.compiled
                 tokens = pad_round(tokens, padding) if padding else tokens
                 if self.tree_rounds:
@@ -420,8 +422,7 @@ class DecodingLoop:
             model_inputs["logits_to_keep"] = num_drafts + 1 + padding
         model_inputs |= self.hidden_request
         if parents is not None:  # each node sees the context and its ancestors, at position root + depth
-            key_slots = cache_capacity(self.cache) if self.cache.is_compileable else None
-            model_inputs |= tree_inputs(self.target, model_inputs, parents, self.target_mask.shape[1], key_slots)
+            model_inputs |= tree_inputs(self.target, model_inputs, parents, self.target_mask.shape[1], self.capacity)
         outputs = forward(**model_inputs)
         if padding:
             self.cache.crop(-padding)
@@ -432,23 +433,22 @@ class DecodingLoop:
 
     def all_cache_rows(self, values: torch.Tensor, fill: int) -> torch.Tensor:
         """values (R, n) of the active rows laid out over all the static cache's rows (B, n), `fill` elsewhere."""
-        batch = self.cache.layers[0].keys.shape[0]
-        if len(self.cache_rows) == batch:
+        if len(self.cache_rows) == self.batch_size:
             return values
-        full = values.new_full((batch, values.shape[1]), fill)
+        full = values.new_full((self.batch_size, values.shape[1]), fill)
         full[self.cache_rows] = values
         return full
 
     def make_room(self, needed: int, wanted: int) -> None:
         """Compact a static cache's holes (rejected drafts of some rows) when `wanted` more slots (a padded
         compiled round) would not fit; ValueError if even `needed` (the round itself) does not fit then."""
-        if self.target_mask.shape[1] + max(needed, wanted) <= cache_capacity(self.cache):
+        if self.target_mask.shape[1] + max(needed, wanted) <= self.capacity:
             return
         valid = self.all_cache_rows(self.target_mask, 0)  # idle rows keep nothing
         self.target_mask = compact_cache(self.cache, valid)[self.cache_rows]
-        if self.target_mask.shape[1] + needed > cache_capacity(self.cache):
+        if self.target_mask.shape[1] + needed > self.capacity:
             raise ValueError(
-                f"The static cache ({cache_capacity(self.cache)} slots) cannot hold a round of {needed} tokens after "
+                f"The static cache ({self.capacity} slots) cannot hold a round of {needed} tokens after "
                 f"{self.target_mask.shape[1]} kept slots: pass max_cache_len >= max_length + {wanted}."
             )
 
