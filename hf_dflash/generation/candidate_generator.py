@@ -53,6 +53,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.num_drafts = 0  # drafts offered in the current round
         self.in_round = False  # the last get_candidates call was a round (not the prefill)
         self.stats = AcceptanceStats(block_size=drafter.config.block_size)
+        self.block_size = drafter.config.block_size  # controllers choose k <= block_size
 
     def get_candidates(
         self,
@@ -89,6 +90,12 @@ class DFlashCandidateGenerator(CandidateGenerator):
         if self.do_sample:  # Transformers' loop samples its candidates itself from the logits it is given
             drafts.tokens = torch.multinomial(drafts.scores[0].softmax(-1), 1).view(1, -1)
         return torch.cat([input_ids, drafts.tokens], dim=-1), drafts.scores if processed else None
+
+    @property
+    def num_drafting_tokens(self) -> int:
+        """The widest round: a verification reads the bonus token and up to block_size - 1 drafts. Transformers
+        >= 5.25 asks this before its loop, to record enough past states to roll a round back."""
+        return self.block_size
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         """Record τ = num_matches + 1 for the round just verified; the controller learns from it."""
