@@ -252,3 +252,37 @@ def test_compiled_batched_rounds_have_one_shape_and_match_plain_batched_greedy()
         actual, expected = batched_static(target, drafter, input_ids, attention_mask, 21, eos, **room)
         assert torch.equal(actual, expected)
     assert spy.widths and set(spy.widths) == {4}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ngram", [None, 3])
+def test_one_size_trees_compile_the_width_their_first_tree_chose(ngram, monkeypatch):
+    """ "auto" trees under compile (`TreeDrafting(one_size=True)`): the first tree chooses its size on the cost
+    curve (before its round's verification; rounds without a tree before it run eager), then every compiled
+    round verifies that size (+ the n-gram drafts, the hybrid budget re-weighed at that width); the output
+    is plain greedy's."""
+    from hf_dflash.generation.adaptive import AdaptiveBlockSize
+    from hf_dflash.generation.cost_model import CostModel
+    from hf_dflash.generation.hybrid import TreeBudget
+    from hf_dflash.generation.tree_drafting import TreeDrafting
+
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=4)
+    cost = CostModel.from_function(lambda k: 0.01 * k, 4, lambda n: 0.01 * n, 64)
+    drafter.block_size_policy = 4 if ngram is None else AdaptiveBlockSize(cost_model=cost)
+    drafter.draft_tree = TreeDrafting(
+        16, top_k=4, seconds=torch.tensor([1.0] * 7 + [50.0] * 9), min_nodes=4, one_size=True
+    )
+    widths = []
+    verify_at = TreeBudget.verify_at
+    monkeypatch.setattr(TreeBudget, "verify_at", lambda self, width: widths.append(width) or verify_at(self, width))
+    spy = WidthSpy(target)
+    input_ids = repeating_prompt(0)
+    expected = plain_greedy(target, input_ids, max_new_tokens=29, eos_token_id=None)
+    lookup = {} if ngram is None else {"prompt_lookup_num_tokens": ngram}
+    room = input_ids.shape[1] + 29 + 16 + (ngram or 0)
+    actual = compiled_dflash(target, drafter, input_ids, 29, max_cache_len=room, **lookup)
+    assert torch.equal(actual, expected)
+    width = 7 + (ngram or 0)  # free up to 7 nodes, 50x dearer beyond
+    assert drafter.draft_tree.max_nodes == 7 and spy.widths and set(spy.widths) == {width}
+    assert widths == ([] if ngram is None else [width])

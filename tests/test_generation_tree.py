@@ -118,6 +118,32 @@ def test_auto_tree_size_follows_the_cost_curve_and_calibration():
     assert trees.calibration < 0.2 and trees.build(7, logits, None).num_nodes == 1
 
 
+def test_best_tree_size_never_below_min_nodes():
+    reach = torch.tensor([0.0, -0.1, -5.0, -6.0, -7.0]).double()
+    steep = torch.tensor([1.0, 1.1, 2.0, 3.0, 4.0], dtype=torch.float64)
+    assert best_tree_size(reach, steep) == 2
+    assert best_tree_size(reach, steep, min_nodes=4) == 4  # the best rate among n >= 4
+    assert best_tree_size(reach, steep, min_nodes=9) == 5  # never more than the tree holds
+
+
+def test_one_size_trees_fix_their_size_at_the_first_tree():
+    """Compiled verification reads one width per call: "auto" chooses it once, at the first tree, as the
+    n >= min_nodes with the best expected rate; every later tree has that many nodes whatever the cost."""
+    seconds = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 5.0, 5.0, 5.0])
+    trees = TreeDrafting(8, top_k=4, seconds=seconds, min_nodes=3, one_size=True)
+    assert not trees.settled
+    sure = torch.tensor([[9.0, 0.0, 0.0, 0.0], [9.0, 0.0, 0.0, 0.0], [9.0, 0.0, 0.0, 0.0]])
+    assert trees.build(7, sure, None).num_nodes == 5  # free up to 5 nodes, 5x dearer beyond
+    assert trees.settled and trees.max_nodes == 5 and trees.seconds is None
+    for _ in range(5):
+        trees.observe(0)  # a calibration that would shrink an "auto" tree
+    assert trees.build(7, torch.zeros(3, 4), None).num_nodes == 5
+    unsure = TreeDrafting(8, top_k=4, seconds=torch.arange(1.0, 9.0), min_nodes=3, one_size=True)
+    assert unsure.build(7, torch.zeros(3, 4), None).num_nodes == 3  # dear nodes: min_nodes, not fewer
+    with pytest.raises(ValueError, match="one_size"):
+        TreeDrafting(8, one_size=True)  # no cost curve to choose the size from
+
+
 def test_settings_batches_and_targets_that_cannot_verify_a_tree():
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=4)

@@ -15,7 +15,6 @@ from hf_dflash.generation.cost_timing import (
     measured_cost_model,
 )
 from hf_dflash.generation.hybrid import TreeBudget, best_tree_size
-from hf_dflash.generation.tree_drafting import fixed_tree_size
 from tests.conftest import make_drafter, make_target
 from tests.test_adaptive import FakeMeasure
 
@@ -177,7 +176,9 @@ def test_fixed_verification_cost_keeps_drafting_and_flattens_verification():
     assert torch.allclose(fixed.verification_seconds_per_length(1, 16), torch.full((16,), 0.8, dtype=torch.float64))
     with pytest.raises(ValueError, match="verification=True"):
         CostModel.from_function(lambda k: 0.1 * k, 8).at_fixed_verification(8)
-    # "auto" trees under compiled verification: the largest size within 1.25x the block's verification
-    flat_then_linear = CostModel.from_function(lambda k: 0.1, 8, lambda n: 0.1 if n <= 16 else 0.1 * n / 16, 64)
-    assert fixed_tree_size(flat_then_linear, 8) == 20
-    assert fixed_tree_size(CostModel.from_function(lambda k: 0.1, 8, lambda n: 0.1 * n, 64), 8) == 10
+    # a hybrid budget under compiled verification follows the width of a one-size tree once it is chosen
+    budget = TreeBudget(8, 4, False, AdaptiveBlockSize(), cost_model=cost.at_fixed_verification(20), measured=cost)
+    budget.verify_at(12)
+    assert torch.allclose(budget.seconds, cost.at_fixed_verification(12).tree_round_seconds(1, 8, 4))
+    with pytest.raises(ValueError, match="measured"):
+        TreeBudget(8, 4, False, AdaptiveBlockSize(), cost_model=cost).verify_at(12)

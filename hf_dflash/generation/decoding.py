@@ -355,7 +355,12 @@ class DecodingLoop:
             self.context = None  # the drafter has read it
             if self.trees is not None:
                 logits, token_ids = self.block.tree_logits(hidden, self.logits_processor, 1, self.rows, prefixes)
+                settled = self.trees.settled
                 block_tree = self.trees.build(int(bonus[0]), logits[0], token_ids)
+                if not settled and self.trees.settled:  # a one-size tree chose its size: the round width follows
+                    self.round_width = self.verification_width(self.hybrid is not None, one_branch=False)
+                    if self.hybrid is not None and self.compiled is not None:
+                        self.hybrid.budget.verify_at(self.round_width)
                 drafts = Drafts(block_tree.tokens[None, 1:])
                 if ngram is None:
                     return RoundDraft(drafts, block_tree, block_length, num_drafts)
@@ -378,14 +383,15 @@ class DecodingLoop:
         rounds verify exactly `self.round_width` tokens: fewer are padded (`pad_round`; a tree's padding
         nodes hang below its last node), and where trees may come every round goes as a tree (a chain is one),
         so one graph serves them all; a round whose padded width would not fit the static cache runs eager
-        instead of compiling a new shape."""
+        instead of compiling a new shape, as do the rounds before a one-size tree has chosen its size."""
         tokens = torch.cat([unread, drafts.tokens], 1)
         num_drafts = drafts.tokens.shape[1]
         forward, padding = self.target, 0
         parents = tree.parents if tree is not None else None
         if not prefill and self.cache_rows is not None:
             self.make_room(tokens.shape[1], self.round_width)
-        if not prefill and self.compiled is not None:
+        # Until a one-size tree ("auto" under compile) has chosen its size, rounds run eager.
+        if not prefill and self.compiled is not None and (self.trees is None or self.trees.settled):
             padding = self.round_width - tokens.shape[1]
             if padding >= 0 and self.target_mask.shape[1] + self.round_width <= self.capacity:
                 forward = self.compiled

@@ -124,6 +124,7 @@ class TreeBudget:
     settings: AdaptiveBlockSize
     cost_model: CostModel | None = None
     block: BlockSizeController | None = None
+    measured: CostModel | None = None  # the measured cost model behind a fixed-verification `cost_model`
     block_estimate: BranchEstimate = field(init=False)  # the block, without n-gram drafts beside it
     block_beside_ngram: list[BranchEstimate] = field(init=False)  # per match bucket: its gain over them
     ngram_estimates: list[BranchEstimate] = field(init=False)  # per match bucket
@@ -143,6 +144,17 @@ class TreeBudget:
         ]
         if self.cost_model is not None:
             self.seconds = self.cost_model.tree_round_seconds(1, self.max_block_size, self.max_ngram_tokens)
+
+    def verify_at(self, width: int) -> None:
+        """Every round from now on verifies `width` tokens (compiled verification, once a one-size drafter tree
+        has chosen its size): the cost model becomes the measured one at that fixed width. A fixed k or a
+        schedule weighs no cost: nothing changes."""
+        if self.cost_model is None:
+            return
+        if self.measured is None:
+            raise ValueError("TreeBudget.verify_at needs the measured cost model (TreeBudget(measured=...)).")
+        self.cost_model = self.measured.at_fixed_verification(width)
+        self.seconds = self.cost_model.tree_round_seconds(1, self.max_block_size, self.max_ngram_tokens)
 
     def choose(self, ngram_found: int, block_allowed: bool = True, match_length: int = 1) -> tuple[int, int]:
         """(k, m) for the next round, given that `ngram_found` n-gram drafts are available (m <= ngram_found)
@@ -202,9 +214,10 @@ def tree_budget(
         cost_model = policy.cost_model
         if cost_model is None:
             cost_model = measured_cost_model(target, drafter, (1,), policy.cache_dir, verification=True)
-        if verification_width is not None:
-            cost_model = cost_model.at_fixed_verification(verification_width)
-        return TreeBudget(max_block_size, max_ngram_tokens, one_branch, policy, cost_model=cost_model)
+        if verification_width is None:
+            return TreeBudget(max_block_size, max_ngram_tokens, one_branch, policy, cost_model=cost_model)
+        fixed = cost_model.at_fixed_verification(verification_width)
+        return TreeBudget(max_block_size, max_ngram_tokens, one_branch, policy, cost_model=fixed, measured=cost_model)
     block = block_size_controller(drafter, target, batch_size=1)  # a fixed k or a schedule; bad ones raise
     return TreeBudget(max_block_size, max_ngram_tokens, one_branch, AdaptiveBlockSize(), block=block)
 

@@ -32,13 +32,11 @@ TREE_ATTRIBUTE = "draft_tree"  # the drafter attribute `generate` reads
 AUTO_MAX_NODES = 64  # the largest tree "auto" considers
 DEFAULT_TOP_K = 16  # candidates per slot (DFlash2: the target's token is in the drafter's top-16 99.5% of the time)
 CALIBRATION_DECAY = 0.9  # weight kept by past rounds in the calibration of the drafter's probabilities
-# Compiled verification reads one tree size every round: "auto" takes the largest tree whose verification costs
-# at most this much more than the trained block's on the measured curve.
-COMPILED_TREE_COST_RATIO = 1.25
 
 
-def best_tree_size(reach: torch.Tensor, seconds: torch.Tensor, calibration: float = 1.0) -> int:
-    """The node count n that maximises expected committed tokens per second.
+def best_tree_size(reach: torch.Tensor, seconds: torch.Tensor, calibration: float = 1.0, min_nodes: int = 1) -> int:
+    """The node count n (min_nodes <= n, or all N nodes when fewer) that maximises expected committed tokens
+    per second.
 
     reach (N,): log-probability of reaching each node of a best-first tree (root 0, then decreasing);
     seconds (>= N,): seconds of a round with n = 1.. nodes. A round commits 1 + the accepted drafts, in
@@ -46,18 +44,24 @@ def best_tree_size(reach: torch.Tensor, seconds: torch.Tensor, calibration: floa
     """
     gain = torch.cumsum(reach.exp().to(torch.float64), 0) - 1  # (N,) expected accepted drafts of n nodes
     rate = (1 + calibration * gain) / seconds[: len(reach)].to(torch.float64)
-    return int(rate.argmax()) + 1
+    smallest = min(min_nodes, len(reach))
+    return int(rate[smallest - 1 :].argmax()) + smallest
 
 
 @dataclass
 class TreeDrafting:
     """Builds each round's tree (at most `max_nodes` nodes, `top_k` candidates per slot) and, with a cost
     curve (`seconds`: round seconds per node count), chooses its size; learns how far to trust the drafter's
-    probabilities from the acceptance it observes."""
+    probabilities from the acceptance it observes.
+
+    `one_size` (compiled verification reads one width per call): the first tree's size, chosen on the cost
+    curve among n >= `min_nodes`, becomes `max_nodes` and every later tree has that many nodes (`settled`)."""
 
     max_nodes: int
     top_k: int = DEFAULT_TOP_K
     seconds: torch.Tensor | None = None  # (max_nodes,) seconds of a round with n nodes; None: always max_nodes
+    min_nodes: int = 1  # the smallest size the cost curve may choose
+    one_size: bool = False
     accepted: float = field(default=0.0, init=False)  # discounted accepted drafts
     predicted: float = field(default=0.0, init=False)  # discounted expected accepted drafts
     expected: float = field(default=0.0, init=False)  # the last tree's expected accepted drafts
@@ -65,6 +69,13 @@ class TreeDrafting:
     def __post_init__(self):
         if self.max_nodes < 2 or self.top_k < 1:
             raise ValueError(f"A draft tree needs max_nodes >= 2 and top_k >= 1, got {self.max_nodes}, {self.top_k}.")
+        if self.one_size and self.seconds is None:
+            raise ValueError("TreeDrafting(one_size=True) chooses its size on a cost curve: give seconds=.")
+
+    @property
+    def settled(self) -> bool:
+        """Every tree from now on has `max_nodes` nodes (no cost curve left to choose by)."""
+        return self.seconds is None
 
     @property
     def calibration(self) -> float:
@@ -78,7 +89,11 @@ class TreeDrafting:
         if token_ids is not None:
             ranked = token_ids.to(ranked.device)[ranked]
         tree, reach = best_first_tree(root, ranked, log_probs, self.max_nodes)
-        size = tree.num_nodes if self.seconds is None else best_tree_size(reach, self.seconds, self.calibration)
+        size = tree.num_nodes
+        if self.seconds is not None:
+            size = best_tree_size(reach, self.seconds, self.calibration, self.min_nodes)
+        if self.one_size and not self.settled:
+            self.max_nodes, self.seconds = size, None
         tree = DraftTree(tree.tokens[:size], tree.parents[:size], ())
         self.expected = float(reach[1:size].exp().sum())
         return tree
@@ -89,20 +104,16 @@ class TreeDrafting:
         self.predicted = CALIBRATION_DECAY * self.predicted + self.expected
 
 
-def auto_tree_drafting(cost: CostModel, block_size: int) -> TreeDrafting:
-    """Trees of up to `AUTO_MAX_NODES` nodes sized each round by `cost` (batch 1): a round of n nodes costs
-    the drafter's pass (a round at the trained block minus its verification) + the verification of n."""
+def auto_tree_drafting(cost: CostModel, block_size: int, one_size: bool = False) -> TreeDrafting:
+    """Trees of up to `AUTO_MAX_NODES` nodes sized by `cost` (batch 1): a round of n nodes costs the drafter's
+    pass (a round at the trained block minus its verification) + the verification of n. Each round, or with
+    `one_size` (compiled verification) once, at the first tree, never below the trained block B."""
     verify = cost.verification_seconds_per_length(1, max(AUTO_MAX_NODES, block_size))
     drafting = cost.round_seconds(1, block_size)[-1] - verify[block_size - 1]  # the drafter's pass
-    return TreeDrafting(AUTO_MAX_NODES, seconds=drafting.clamp_min(0) + verify[:AUTO_MAX_NODES])
-
-
-def fixed_tree_size(cost: CostModel, block_size: int, ratio: float = COMPILED_TREE_COST_RATIO) -> int:
-    """The tree size of "auto" when every round verifies one size (compiled verification): the largest n <=
-    `AUTO_MAX_NODES` (at least the block B) whose measured verification costs at most `ratio` x that of B."""
-    verify = cost.verification_seconds_per_length(1, max(AUTO_MAX_NODES, block_size))
-    limit = ratio * float(verify[block_size - 1])
-    return max(n for n in range(block_size, max(AUTO_MAX_NODES, block_size) + 1) if float(verify[n - 1]) <= limit)
+    seconds = drafting.clamp_min(0) + verify[:AUTO_MAX_NODES]
+    if one_size:
+        return TreeDrafting(AUTO_MAX_NODES, seconds=seconds, min_nodes=block_size, one_size=True)
+    return TreeDrafting(AUTO_MAX_NODES, seconds=seconds)
 
 
 def tree_drafting(
@@ -111,15 +122,13 @@ def tree_drafting(
     """The tree setting of one `generate` call from `drafter.draft_tree`: None (chains), an int N >= 2 (trees
     of up to N nodes), "auto" (up to `AUTO_MAX_NODES`, sized by the measured cost curve), or a
     `TreeDrafting`. Anything else raises ValueError. `fixed_verification`: every round verifies the largest
-    tree's node count (compiled verification pads to one shape), so "auto" fixes one size (`fixed_tree_size`)."""
+    tree's node count (compiled verification pads to one shape), so "auto" chooses one size, at the first tree (`TreeDrafting.one_size`)."""
     setting = getattr(drafter, TREE_ATTRIBUTE, None)
     if setting is None or isinstance(setting, TreeDrafting):
         return setting
     if isinstance(setting, str) and setting == "auto":
         cost = measured_cost_model(target, drafter, (1,), verification=True, max_verified_tokens=AUTO_MAX_NODES)
-        if fixed_verification:
-            return TreeDrafting(fixed_tree_size(cost, drafter.config.block_size))
-        return auto_tree_drafting(cost, drafter.config.block_size)
+        return auto_tree_drafting(cost, drafter.config.block_size, one_size=fixed_verification)
     if isinstance(setting, int) and not isinstance(setting, bool) and setting >= 2:
         return TreeDrafting(setting)
     raise ValueError(
