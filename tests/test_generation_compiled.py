@@ -149,6 +149,7 @@ def repeating_prompt(seed: int, length: int = 12) -> torch.LongTensor:
 
 TREE_SETUPS = {  # name: (drafter.draft_tree, prompt_lookup_num_tokens, the compiled round width)
     "tree": (6, None, 6),
+    "tree-sized-per-round": ("sized", None, 6),  # TreeDrafting(6, seconds=...): sizes vary, padded to 6
     "hybrid": (None, 3, 4 + 3),
     "hybrid-tree": (5, 3, 5 + 3),
 }
@@ -164,6 +165,10 @@ def test_compiled_trees_and_hybrid_rounds_have_one_shape_and_match_plain_greedy(
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=4)
     drafter.block_size_policy = 4
+    if nodes == "sized":
+        from hf_dflash.generation.tree_drafting import TreeDrafting
+
+        nodes = TreeDrafting(6, top_k=4, seconds=torch.tensor([1.0, 1.0, 1.0, 1.0, 1.6, 1.6]))
     if nodes is not None:
         drafter.draft_tree = nodes
     tree_forwards = []
@@ -286,3 +291,21 @@ def test_one_size_trees_compile_the_width_their_first_tree_chose(ngram, monkeypa
     width = 7 + (ngram or 0)  # free up to 7 nodes, 50x dearer beyond
     assert drafter.draft_tree.max_nodes == 7 and spy.widths and set(spy.widths) == {width}
     assert widths == ([] if ngram is None else [width])
+
+
+@pytest.mark.slow
+def test_auto_trees_under_compile_keep_their_size_across_calls():
+    """`draft_tree="auto"` under compile: the first call's first tree chooses the size, the drafter keeps it
+    (`compiled_draft_tree`) and later calls reuse it, so every compiled round of every call has one width
+    (a new size would compile a new graph); each output is plain greedy's."""
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=4)
+    drafter.block_size_policy = 4
+    drafter.draft_tree = "auto"
+    spy = WidthSpy(target)
+    for seed in range(3):
+        input_ids = repeating_prompt(seed)
+        expected = plain_greedy(target, input_ids, max_new_tokens=17, eos_token_id=None)
+        room = input_ids.shape[1] + 17 + 64  # "auto" considers trees of up to 64 nodes
+        assert torch.equal(compiled_dflash(target, drafter, input_ids, 17, max_cache_len=room), expected)
+    assert 4 <= drafter.compiled_draft_tree <= 64 and spy.widths and set(spy.widths) == {drafter.compiled_draft_tree}

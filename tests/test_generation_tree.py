@@ -131,10 +131,10 @@ def test_one_size_trees_fix_their_size_at_the_first_tree():
     n >= min_nodes with the best expected rate; every later tree has that many nodes whatever the cost."""
     seconds = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 5.0, 5.0, 5.0])
     trees = TreeDrafting(8, top_k=4, seconds=seconds, min_nodes=3, one_size=True)
-    assert not trees.settled
+    assert trees.choosing_size
     sure = torch.tensor([[9.0, 0.0, 0.0, 0.0], [9.0, 0.0, 0.0, 0.0], [9.0, 0.0, 0.0, 0.0]])
     assert trees.build(7, sure, None).num_nodes == 5  # free up to 5 nodes, 5x dearer beyond
-    assert trees.settled and trees.max_nodes == 5 and trees.seconds is None
+    assert not trees.choosing_size and trees.max_nodes == 5 and trees.seconds is None
     for _ in range(5):
         trees.observe(0)  # a calibration that would shrink an "auto" tree
     assert trees.build(7, torch.zeros(3, 4), None).num_nodes == 5

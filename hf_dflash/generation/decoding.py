@@ -59,7 +59,7 @@ from .tree import (
     tree_attention_bias,
     tree_depths,
 )
-from .tree_drafting import tree_drafting
+from .tree_drafting import remember_compiled_size, tree_drafting
 from .verification import (
     accepted_lengths,
     count_until_stop,
@@ -355,9 +355,10 @@ class DecodingLoop:
             self.context = None  # the drafter has read it
             if self.trees is not None:
                 logits, token_ids = self.block.tree_logits(hidden, self.logits_processor, 1, self.rows, prefixes)
-                settled = self.trees.settled
+                choosing = self.trees.choosing_size
                 block_tree = self.trees.build(int(bonus[0]), logits[0], token_ids)
-                if not settled and self.trees.settled:  # a one-size tree chose its size: the round width follows
+                if choosing:  # a one-size tree chose its size: the round width follows
+                    remember_compiled_size(self.drafter, self.trees)
                     self.round_width = self.verification_width(self.hybrid is not None, one_branch=False)
                     if self.hybrid is not None and self.compiled is not None:
                         self.hybrid.budget.verify_at(self.round_width)
@@ -391,7 +392,7 @@ class DecodingLoop:
         if not prefill and self.cache_rows is not None:
             self.make_room(tokens.shape[1], self.round_width)
         # Until a one-size tree ("auto" under compile) has chosen its size, rounds run eager.
-        if not prefill and self.compiled is not None and (self.trees is None or self.trees.settled):
+        if not prefill and self.compiled is not None and not (self.trees is not None and self.trees.choosing_size):
             padding = self.round_width - tokens.shape[1]
             if padding >= 0 and self.target_mask.shape[1] + self.round_width <= self.capacity:
                 forward = self.compiled

@@ -29,6 +29,9 @@ from .cost_timing import measured_cost_model
 from .tree import DraftTree, best_first_tree
 
 TREE_ATTRIBUTE = "draft_tree"  # the drafter attribute `generate` reads
+# Under compiled verification "auto" chooses one tree size at the first tree of the first call and keeps it
+# here, on the drafter: later compiled calls reuse it, so one graph serves them all (delete it to choose again).
+COMPILED_SIZE_ATTRIBUTE = "compiled_draft_tree"
 AUTO_MAX_NODES = 64  # the largest tree "auto" considers
 DEFAULT_TOP_K = 16  # candidates per slot (DFlash2: the target's token is in the drafter's top-16 99.5% of the time)
 CALIBRATION_DECAY = 0.9  # weight kept by past rounds in the calibration of the drafter's probabilities
@@ -55,7 +58,7 @@ class TreeDrafting:
     probabilities from the acceptance it observes.
 
     `one_size` (compiled verification reads one width per call): the first tree's size, chosen on the cost
-    curve among n >= `min_nodes`, becomes `max_nodes` and every later tree has that many nodes (`settled`)."""
+    curve among n >= `min_nodes`, becomes `max_nodes` and every later tree has that many nodes (`choosing_size` until then)."""
 
     max_nodes: int
     top_k: int = DEFAULT_TOP_K
@@ -73,9 +76,9 @@ class TreeDrafting:
             raise ValueError("TreeDrafting(one_size=True) chooses its size on a cost curve: give seconds=.")
 
     @property
-    def settled(self) -> bool:
-        """Every tree from now on has `max_nodes` nodes (no cost curve left to choose by)."""
-        return self.seconds is None
+    def choosing_size(self) -> bool:
+        """A one-size tree whose first tree, which chooses the size of all, is still to come."""
+        return self.one_size and self.seconds is not None
 
     @property
     def calibration(self) -> float:
@@ -92,7 +95,7 @@ class TreeDrafting:
         size = tree.num_nodes
         if self.seconds is not None:
             size = best_tree_size(reach, self.seconds, self.calibration, self.min_nodes)
-        if self.one_size and not self.settled:
+        if self.choosing_size:
             self.max_nodes, self.seconds = size, None
         tree = DraftTree(tree.tokens[:size], tree.parents[:size], ())
         self.expected = float(reach[1:size].exp().sum())
@@ -122,11 +125,15 @@ def tree_drafting(
     """The tree setting of one `generate` call from `drafter.draft_tree`: None (chains), an int N >= 2 (trees
     of up to N nodes), "auto" (up to `AUTO_MAX_NODES`, sized by the measured cost curve), or a
     `TreeDrafting`. Anything else raises ValueError. `fixed_verification`: every round verifies the largest
-    tree's node count (compiled verification pads to one shape), so "auto" chooses one size, at the first tree (`TreeDrafting.one_size`)."""
+    tree's node count (compiled verification pads to one shape), so "auto" chooses one size, at the first tree
+    of the first such call (`TreeDrafting.one_size`), and later calls reuse it (`remember_compiled_size`)."""
     setting = getattr(drafter, TREE_ATTRIBUTE, None)
     if setting is None or isinstance(setting, TreeDrafting):
         return setting
     if isinstance(setting, str) and setting == "auto":
+        chosen = getattr(drafter, COMPILED_SIZE_ATTRIBUTE, None) if fixed_verification else None
+        if chosen is not None:
+            return TreeDrafting(chosen)
         cost = measured_cost_model(target, drafter, (1,), verification=True, max_verified_tokens=AUTO_MAX_NODES)
         return auto_tree_drafting(cost, drafter.config.block_size, one_size=fixed_verification)
     if isinstance(setting, int) and not isinstance(setting, bool) and setting >= 2:
@@ -135,3 +142,10 @@ def tree_drafting(
         f"drafter.draft_tree = {setting!r} is not a tree setting. Use None (chains), 'auto' (sized by the measured "
         "cost of verification), an int N >= 2 (trees of up to N nodes, root included), or a TreeDrafting(...)."
     )
+
+
+def remember_compiled_size(drafter: DFlashDraftModel, trees: TreeDrafting) -> None:
+    """A one-size tree of `draft_tree="auto"` just chose its size: later compiled calls reuse it (each new
+    size would compile a new graph)."""
+    if getattr(drafter, TREE_ATTRIBUTE, None) == "auto":
+        setattr(drafter, COMPILED_SIZE_ATTRIBUTE, trees.max_nodes)
