@@ -47,7 +47,7 @@ def _same_named(args: argparse.Namespace, names: str) -> dict:
 def _missing_packages_as_errors():
     """A missing data or target package becomes a ValueError, which `main` prints with its install command."""
     from .data.sources import MissingDataPackageError
-    from .models import MissingTargetPackageError
+    from .targets import MissingTargetPackageError
 
     try:
         yield
@@ -74,7 +74,7 @@ def _non_negative_float(text: str) -> float:
 
 def _device(text: str) -> str:
     """argparse type: a torch device this machine has (`models.resolve_device`)."""
-    from .models import resolve_device
+    from .targets import resolve_device
 
     try:
         resolve_device(text)
@@ -146,7 +146,7 @@ def _run_cache_features(args: argparse.Namespace) -> int:
     """
     from .data.feature_cache import cache_features
     from .modeling_dflash import default_target_layer_ids
-    from .models import load_target, resolve_dtype
+    from .targets import load_target, resolve_dtype
 
     _announce_dtype(args.target_dtype)
     target, _ = load_target(args.target, dtype=args.target_dtype)
@@ -514,8 +514,8 @@ def _run_pack_data(args: argparse.Namespace) -> int:
 
     from .data.packed import check_part_name, pack_tokenized
     from .json_files import read_json_object
-    from .models import default_cache_dir, get_spec, load_target
     from .output_paths import check_output_folder
+    from .targets import default_cache_dir, get_spec, load_target
 
     check_part_name(args.part)  # every argument is checked before the target's tokenizer is loaded
     check_output_folder(args.out)

@@ -13,7 +13,7 @@ from transformers import TextStreamer
 from .bench.divergence import first_divergence
 from .checkpoints import load_drafter
 from .dtypes import resolve_dtype
-from .models import DEFAULT_TARGET, load_target
+from .targets import DEFAULT_TARGET, load_target
 
 # In half precision a k-token verification forward may round a near-tie between the target's top two
 # tokens differently from a 1-token decode step. A first difference at a smaller top-2 logit gap is

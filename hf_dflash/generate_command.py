@@ -87,7 +87,7 @@ def run_generate(args) -> dict:
     """The CLI entry: load target and drafter (`--drafter random|PATH|none`) like `hf-dflash bench`."""
     from .bench.loading import RANDOM_DRAFTER, load_bench_models
     from .generation.adaptive import parse_block_size_policy
-    from .models import resolve_device
+    from .targets import resolve_device
 
     read_prompts_file(args.prompts, require_prompts=True)  # a bad prompts file fails before any model loads
     check_new_file(args.out, overwrite=args.overwrite, inputs={"--prompts": args.prompts})  # and a bad --out

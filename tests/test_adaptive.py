@@ -4,7 +4,6 @@ the cost-model cache."""
 
 import functools
 import json
-import random
 from fractions import Fraction
 
 import pytest
@@ -27,9 +26,16 @@ from hf_dflash.generation.cost_timing import (
     measured_cost_model,
 )
 from tests.conftest import ARCHITECTURES, VOCAB, OracleDrafter, make_drafter, make_target
-from tests.test_generation_batched import PAD, random_batch, unpadded
-
-LINEAR_COST = lambda k: 1.0 + 0.1 * (k - 1)  # noqa: E731  (synthetic seconds per round)
+from tests.helpers.generation import (
+    LINEAR_COST,
+    PAD,
+    FakeMeasure,
+    random_batch,
+    random_schedule,
+    record_drafter_calls,
+    reference_features,
+    unpadded,
+)
 
 
 def tensor(values) -> torch.Tensor:
@@ -127,17 +133,6 @@ def test_cost_model_interpolates_block_lengths_and_rows():
 def test_cost_model_rejects_malformed_tables(lengths, seconds, match):
     with pytest.raises(ValueError, match=match):
         CostModel(lengths, seconds)
-
-
-class FakeMeasure:
-    """Injected instead of timing: seconds = rows * (1 + 0.1 k); counts the rows it was asked for."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, target, drafter, rows, block_lengths):
-        self.calls.append(rows)
-        return [rows * LINEAR_COST(k) for k in block_lengths]
 
 
 def test_cost_model_cache_round_trip(tmp_path):
@@ -244,11 +239,6 @@ def test_invalid_adaptive_settings():
 
 
 # --- losslessness under random schedules ---
-
-
-def random_schedule(max_block_size: int, seed: int):
-    rng = random.Random(seed)
-    return lambda round_index: rng.randint(1, max_block_size)
 
 
 @functools.cache
@@ -361,23 +351,6 @@ def test_fixed_shorter_block_and_sliding_window_target(policy):
     assert set(drafter.last_acceptance.block_sizes) == {policy}
     drafter.block_size_policy = random_schedule(8, seed=0)
     assert torch.equal(target.generate(prompt, assistant_model=drafter, **kwargs), target.generate(prompt, **kwargs))
-
-
-def record_drafter_calls(drafter) -> tuple[list[dict], object]:
-    """(calls, hook handle): the keyword arguments of every drafter forward, with the cache length before it."""
-    calls = []
-
-    def hook(module, args, kwargs):
-        calls.append(dict(kwargs, past=kwargs["cache"].get_seq_length()))
-
-    return calls, drafter.register_forward_pre_hook(hook, with_kwargs=True)
-
-
-def reference_features(target, drafter, sequence: torch.LongTensor) -> torch.Tensor:
-    """(L, n*Ht) target features of an unpadded sequence (L,) from one plain forward."""
-    layer_ids = drafter.config.target_layer_ids
-    hidden = target(sequence[None], output_hidden_states=True).hidden_states
-    return torch.cat([hidden[i + 1][0] for i in layer_ids], -1)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
@@ -497,7 +470,7 @@ def test_adaptive_with_measured_cost_model(tmp_path, monkeypatch):
 def test_sampling_with_random_schedule_preserves_target_distribution():
     """do_sample, batched, a random block length every round: the 2nd new token of 48 copies of a prompt
     follows its exact marginal (chi-square helper of test_generation_sampling)."""
-    from tests.test_generation_sampling import ALPHA, chi_square_against, second_token_marginal
+    from tests.helpers.generation import ALPHA, chi_square_against, second_token_marginal
 
     warpers = dict(temperature=0.8, top_k=40, top_p=0.95)
     target = make_target("qwen3", seed=3)

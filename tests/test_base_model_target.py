@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_dflash import models
+from hf_dflash import targets
 from hf_dflash.data import regenerate
 from hf_dflash.data.regenerate import regenerate_responses, render_conversation
 from hf_dflash.data.tokenize import tokenize_conversation
-from hf_dflash.models import KNOWN_TARGETS, MARKER_FILE, MissingTargetPackageError, load_target
+from hf_dflash.targets import KNOWN_TARGETS, MARKER_FILE, MissingTargetPackageError, load_target
 from tests.conftest import make_target
-from tests.test_data import assistant, make_char_tokenizer, masked_runs, user
+from tests.helpers.data import assistant, make_char_tokenizer, masked_runs, user
 
 GEMMA = "gemma3-270m"
 GEMMA_SPEC = KNOWN_TARGETS[GEMMA]
@@ -68,10 +68,10 @@ def test_gguf_parts_are_assembled_in_order_and_a_missing_part_names_every_packag
     for index, part in enumerate(GEMMA_SPEC.parts):
         files[part.package] = tmp_path / f"part{index}"
         files[part.package].write_bytes(bytes([index]) * 3)
-    monkeypatch.setattr(models, "package_file", lambda package, relative, missing, error: files[package])
+    monkeypatch.setattr(targets, "package_file", lambda package, relative, missing, error: files[package])
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    assembled = models.gguf_source(GEMMA_SPEC, scratch)
+    assembled = targets.gguf_source(GEMMA_SPEC, scratch)
     assert assembled == scratch / GEMMA_SPEC.gguf_file
     assert assembled.read_bytes() == b"\x00\x00\x00\x01\x01\x01\x02\x02\x02\x03\x03\x03"
 

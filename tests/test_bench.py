@@ -18,7 +18,7 @@ from hf_dflash.cli import main
 from hf_dflash.hub_cards import load_benchmark
 from hf_dflash.hub_cards.schemas import BENCHMARK_SET_FIELDS, validate_benchmark
 from tests.conftest import OracleDrafter, make_drafter, make_target
-from tests.test_data import save_tiny_folders, write_lines
+from tests.helpers.data import save_tiny_folders, write_lines
 
 PROMPTS = [
     {"prompt": "Write a function that reverses a string."},

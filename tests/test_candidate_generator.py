@@ -7,7 +7,7 @@ from transformers.generation.utils import GenerationMixin
 
 from hf_dflash import DFlashCandidateGenerator
 from tests.conftest import ARCHITECTURES, make_drafter, make_target
-from tests.test_generation_greedy import oracle_for, prompt
+from tests.helpers.generation import oracle_for, prompt
 
 
 @pytest.fixture

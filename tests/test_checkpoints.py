@@ -1,4 +1,4 @@
-"""Oracle 6 (SPEC §5): save -> load round trips in both checkpoint formats, remote-code loading
+"""Oracle: save -> load round trips in both checkpoint formats, remote-code loading
 without our package, the convert CLI, and every loader error naming the offending value."""
 
 import ast
@@ -425,6 +425,19 @@ def test_official_weight_errors(official_dir, tmp_path, edit, match):
 
 
 # ---------------------------------------------------------------- detection / Hub-format errors
+
+
+def test_hub_download_failures_are_told_apart_from_a_missing_repository(monkeypatch):
+    """No network or a refused token is not "no such repository": the error says which, and stays an OSError."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def offline(**kwargs):
+        raise LocalEntryNotFoundError("offline mode is enabled")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(OSError, match=r"Could not download the Hub repository org/drafter.*offline mode.*HF_TOKEN"):
+        load_drafter("org/drafter")
 
 
 def test_load_drafter_errors(hub_dir, official_dir, tmp_path):

@@ -10,7 +10,7 @@ import hf_dflash.data.corpus as corpus
 import hf_dflash.data.pipeline as pipeline
 from hf_dflash.cli import main
 from tests.conftest import make_target
-from tests.test_data import EVAL_SUITE, make_char_tokenizer, save_tiny_folders, write_lines
+from tests.helpers.data import EVAL_SUITE, make_char_tokenizer, save_tiny_folders, write_lines
 
 
 @pytest.fixture(scope="module")

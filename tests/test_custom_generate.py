@@ -14,8 +14,16 @@ from hf_dflash.checkpoints import hub as hub_module
 from hf_dflash.checkpoints.hub import CUSTOM_GENERATE_SOURCE, check_remote_code
 from hf_dflash.modeling_dflash.custom_generate import dflash_decoding
 from tests.conftest import ARCHITECTURES, make_drafter, make_target
-from tests.test_generation_greedy import Collect, StopAfterToken, oracle_for, plain_greedy, prompt
-from tests.test_generation_sampling import ALPHA, chi_square_against, second_token_marginal
+from tests.helpers.generation import (
+    ALPHA,
+    Collect,
+    StopAfterToken,
+    chi_square_against,
+    oracle_for,
+    plain_greedy,
+    prompt,
+    second_token_marginal,
+)
 
 
 def dflash(target, input_ids, drafter, **kwargs):

@@ -9,58 +9,23 @@ import json
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models
-from transformers import PreTrainedTokenizerFast
 
 from hf_dflash.cli import main
 from hf_dflash.data import corpus, pipeline, regenerate, sources
 from hf_dflash.data.corpus import build_corpus, read_prompts_file
 from hf_dflash.data.regenerate import regenerate_responses
 from hf_dflash.data.tokenize import tokenize_conversation, tokenize_responses
-from tests.conftest import VOCAB, make_drafter, make_target
-
-CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+from tests.conftest import make_target
+from tests.helpers.data import (
+    EVAL_SUITE,
+    PROMPTS,
+    assistant,
+    make_char_tokenizer,
+    masked_runs,
+    regenerate_tiny,
+    user,
+    write_lines,
 )
-
-
-def make_char_tokenizer(chat_template: str = CHATML) -> PreTrainedTokenizerFast:
-    """One token per character (ASCII + Latin-1 filler up to the tiny model's vocab) and ChatML specials."""
-    specials = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"]  # ids 0, 1, 2 = conftest's pad, bos, eos
-    chars = ["\n"] + [chr(code) for code in range(32, 127)]
-    chars += [chr(code) for code in range(161, 161 + VOCAB - len(specials) - len(chars))]
-    backend = Tokenizer(
-        models.BPE(vocab={token: i for i, token in enumerate(specials + chars)}, merges=[], unk_token="<unk>")
-    )
-    backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", bos_token="<|im_start|>", eos_token="<|im_end|>", unk_token="<unk>"
-    )
-    tokenizer.chat_template = chat_template
-    return tokenizer
-
-
-def user(text):
-    return {"role": "user", "content": text}
-
-
-def assistant(text):
-    return {"role": "assistant", "content": text}
-
-
-def save_tiny_folders(root: Path) -> tuple[Path, Path]:
-    """(target folder with the character tokenizer, block-4 random drafter folder) under `root`, for CLI tests."""
-    target = make_target("llama")
-    target.save_pretrained(root / "target")
-    make_char_tokenizer().save_pretrained(root / "target")
-    make_drafter(target, block_size=4).save_pretrained(root / "drafter")
-    return root / "target", root / "drafter"
-
-
-def write_lines(path: Path, rows) -> Path:
-    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
-    return path
 
 
 def package_installed(name: str) -> bool:
@@ -148,15 +113,6 @@ def test_data_extra_pins_exactly_the_packages_the_sources_read():
 
 # --- corpus ---
 
-EVAL_QUESTION = (
-    "A farmer has seventeen sheep and buys nine more at the market every single week of the year. How many apples?"
-)
-EVAL_SUITE = {
-    "toy-math": [{"id": "toy-math:7", "source": "toy-math", "messages": [user(sources.math_prompt(EVAL_QUESTION))]}],
-    "toy-code": [
-        {"id": "toy-code:3", "source": "toy-code", "messages": [user("Write a function to add two numbers.")]}
-    ],
-}
 THIRTEEN = "seventeen sheep and buys nine more at the market every single week of"  # 13 words of EVAL_QUESTION
 TWELVE = "seventeen sheep and buys nine more at the market every single week"
 
@@ -214,22 +170,6 @@ def test_bad_line_of_a_prompts_file_is_reported_with_its_number(tmp_path, bad_li
 
 
 # --- regeneration ---
-
-PROMPTS = [
-    {
-        "id": f"p{i}",
-        "source": "toy",
-        "messages": [user(f"Question {i}: " + "why? " * i)] + ([user("And then?")] if i % 3 == 0 else []),
-    }
-    for i in range(7)
-]
-
-
-def regenerate_tiny(out_dir, prompts=PROMPTS, **overrides):
-    settings = dict(temperature=1.0, max_new_tokens=5, batch_size=2, shard_size=3, seed=3, progress=False)
-    return regenerate_responses(
-        make_target("llama"), make_char_tokenizer(), prompts, out_dir, **{**settings, **overrides}
-    )
 
 
 def test_regeneration_resumes_after_a_kill_and_matches_an_uninterrupted_run(tmp_path, monkeypatch):
@@ -304,17 +244,6 @@ TWO_TURNS = [
     user("Now say it in words, please."),
     assistant("Four. That is all."),
 ]
-
-
-def masked_runs(input_ids, loss_mask):
-    runs, current = [], []
-    for token, supervised in zip(input_ids, loss_mask):
-        if supervised:
-            current.append(token)
-        elif current:
-            runs.append(current)
-            current = []
-    return runs + ([current] if current else [])
 
 
 @pytest.mark.parametrize("kind", ["tiny", pytest.param("smollm2", marks=pytest.mark.real_model)])

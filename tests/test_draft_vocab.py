@@ -13,7 +13,7 @@ import torch
 from hf_dflash import DFlashConfig, DFlashDraftModel
 from hf_dflash.checkpoints import load_drafter, load_official, save_hub, save_official
 from tests.conftest import ARCHITECTURES, VOCAB, OracleDrafter, make_drafter, make_target
-from tests.test_generation_sampling import check_sampled_second_token
+from tests.helpers.generation import check_sampled_second_token
 
 SUBSET = sorted({(7 * i + 3) % VOCAB for i in range(48)} | {2})  # 48 ids incl. EOS
 

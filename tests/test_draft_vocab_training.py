@@ -16,7 +16,6 @@ from hf_dflash.trainer.draft_vocab import (
 )
 from hf_dflash.trainer.maths import target_to_draft_index, weighted_cross_entropy_sum
 from hf_dflash.trainer.train import load_train_config, train_from_config
-from tests.test_train_config import run_config  # noqa: F401  (fixture)
 
 
 def test_counts_cover_supervised_tokens_only():

@@ -56,7 +56,7 @@ def test_another_process_holding_the_lock_refuses_this_one(tmp_path):
 @pytest.mark.parametrize("writer", ["regeneration", "cache-features", "prepare-data"])
 def test_every_shared_folder_writer_refuses_a_second_one(tmp_path, writer):
     """Issue 25 B1 for the other writers: a locked folder is refused before anything is written into it."""
-    from tests.test_data import PROMPTS, regenerate_tiny
+    from tests.helpers.data import PROMPTS, regenerate_tiny
 
     out = tmp_path / "out"
     with folder_lock(out):
@@ -66,7 +66,7 @@ def test_every_shared_folder_writer_refuses_a_second_one(tmp_path, writer):
             elif writer == "cache-features":
                 from hf_dflash.data.feature_cache import cache_features
                 from tests.conftest import make_target
-                from tests.test_offline_features import write_tokenized
+                from tests.helpers.features import write_tokenized
 
                 cache_features(make_target("llama"), write_tokenized(tmp_path / "data"), out, [0, 1])
             else:

@@ -7,7 +7,7 @@ import pytest
 from hf_dflash.cli import main
 from hf_dflash.generation.compiling import choose_compile
 from tests.conftest import make_drafter, make_target
-from tests.test_data import make_char_tokenizer, write_lines
+from tests.helpers.data import make_char_tokenizer, write_lines
 
 PROMPTS = [
     {"prompt": "Hello there"},

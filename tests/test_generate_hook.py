@@ -102,7 +102,7 @@ def test_an_unknown_transformers_release_refuses_dflash_assistants_clearly(monke
     assert mixin.generate._hf_dflash_refusal and not hasattr(mixin.generate.__wrapped__, "_hf_dflash_refusal")
     target = make_target("qwen3")
     drafter = make_drafter(target)
-    with pytest.raises(RuntimeError, match=r"Transformers 5\.99\.0 is not a release.*custom_generate=.*<5\.26"):
+    with pytest.raises(ValueError, match=r"Transformers 5\.99\.0 is not a release.*custom_generate=.*<5\.26"):
         target.generate(PROMPT, max_new_tokens=5, assistant_model=drafter)
     expected = target.generate(PROMPT, do_sample=False, max_new_tokens=12, eos_token_id=None)
     builtin = target.generate(

@@ -11,39 +11,7 @@ from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 from hf_dflash import DFlashGenerateOutput
 from hf_dflash.caches import MAX_WASTE_FRACTION, cache_waste, compact_cache
 from tests.conftest import ARCHITECTURES, COMMON, VOCAB, OracleDrafter, make_drafter, make_target
-
-PAD = COMMON["pad_token_id"]
-
-
-def random_batch(generator: torch.Generator, batch_size: int, shortest: int = 2, longest: int = 12):
-    """Left-padded (input_ids, attention_mask) of `batch_size` random prompts of ragged lengths."""
-    lengths = torch.randint(shortest, longest + 1, (batch_size,), generator=generator).tolist()
-    width = max(lengths)
-    input_ids = torch.full((batch_size, width), PAD)
-    attention_mask = torch.zeros(batch_size, width, dtype=torch.long)
-    for row, length in enumerate(lengths):
-        input_ids[row, width - length :] = torch.randint(3, VOCAB, (length,), generator=generator)
-        attention_mask[row, width - length :] = 1
-    return input_ids, attention_mask
-
-
-def unpadded(input_ids, attention_mask, row: int) -> torch.LongTensor:
-    return input_ids[row, attention_mask[row].bool()][None]
-
-
-def eos_mid_way(target, input_ids, attention_mask, max_new_tokens, generator) -> int:
-    """A token that one row emits mid-way without EOS: as EOS, rows then stop at different times."""
-    free = target.generate(
-        input_ids,
-        attention_mask=attention_mask,
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=None,
-        pad_token_id=PAD,
-    )
-    row = int(torch.randint(len(input_ids), (1,), generator=generator))
-    step = int(torch.randint(max_new_tokens // 2 + 1, (1,), generator=generator))
-    return int(free[row, input_ids.shape[1] + step])
+from tests.helpers.generation import PAD, eos_mid_way, random_batch, unpadded
 
 
 def plain_and_dflash(target, drafter, input_ids, attention_mask, **kwargs):
@@ -283,7 +251,7 @@ def test_batched_sampling_preserves_target_distribution():
     """do_sample with a batch: rejection sampling row by row keeps each row's target distribution.
     Six copies of a prompt next to two shorter (padded) prompts; the 2nd new token of the copies
     follows its exact marginal (chi-square, as in test_generation_sampling)."""
-    from tests.test_generation_sampling import ALPHA, chi_square_against, second_token_marginal
+    from tests.helpers.generation import ALPHA, chi_square_against, second_token_marginal
 
     warpers = dict(temperature=0.8, top_k=40, top_p=0.95)
     target = make_target("qwen3", seed=3)

@@ -1,6 +1,6 @@
 """Static cache + compiled verification: the loop compiles the target's verification forward exactly where
 Transformers' own decoding compiles its step, with one input shape per block length, and stays lossless
-(SPEC §5 oracle 2, fp32 greedy)."""
+(the oracle: fp32 greedy output == plain greedy)."""
 
 import warnings
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import CompileConfig
 
-from hf_dflash.generation import decoding
+from hf_dflash.generation import target_slots, verifier
 from tests.conftest import make_drafter, make_target
-from tests.test_generation_greedy import plain_greedy, prompt
+from tests.helpers.generation import plain_greedy, prompt
 
 
 def cpu_compile_config() -> CompileConfig:
@@ -63,8 +63,8 @@ def test_compiled_rounds_have_one_shape_and_match_plain_greedy(monkeypatch, head
     expected = plain_greedy(target, input_ids, max_new_tokens=max_new_tokens, eos_token_id=None)
     drafter = make_drafter(target, block_size=4)  # random: rejections roll the static cache back
     paddings = []
-    pad_round = decoding.pad_round
-    monkeypatch.setattr(decoding, "pad_round", lambda tokens, n: paddings.append(n) or pad_round(tokens, n))
+    pad_round = verifier.pad_round
+    monkeypatch.setattr(verifier, "pad_round", lambda tokens, n: paddings.append(n) or pad_round(tokens, n))
     spy = WidthSpy(target)
     max_length = input_ids.shape[1] + max_new_tokens
     room = {"max_cache_len": max_length + headroom} if headroom else {}  # default: max_length - 1 slots
@@ -81,7 +81,7 @@ def test_static_cache_without_compile_stays_eager_and_unpadded(monkeypatch):
     target = make_target("llama")
     input_ids = prompt(2, length=9)
     drafter = make_drafter(target, block_size=4)
-    monkeypatch.setattr(decoding, "pad_round", lambda *args: pytest.fail("an eager round was padded"))
+    monkeypatch.setattr(verifier, "pad_round", lambda *args: pytest.fail("an eager round was padded"))
     actual = target.generate(
         input_ids, do_sample=False, max_new_tokens=21, eos_token_id=None, assistant_model=drafter,
         cache_implementation="static",
@@ -127,9 +127,9 @@ def test_a_cache_that_cannot_roll_back_is_refused_with_the_fix(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("draft_tree", [None, 4])
 def test_compiled_sampling_preserves_target_distribution(draft_tree):
-    """SPEC §5 oracle 3 through the compiled, padded rounds (3 new tokens after a 4-token block: the round
+    """The sampling oracle (chi-square) through the compiled, padded rounds (3 new tokens after a 4-token block: the round
     after the prefill fits one draft and is padded), chains and sampled trees."""
-    from tests.test_generation_sampling import check_sampled_second_token
+    from tests.helpers.generation import check_sampled_second_token
 
     target = make_target("qwen3", seed=3)
     drafter = make_drafter(target, block_size=4, seed=4)
@@ -142,7 +142,7 @@ def test_compiled_sampling_preserves_target_distribution(draft_tree):
 
 def repeating_prompt(seed: int, length: int = 12) -> torch.LongTensor:
     """A random span written three times: the n-gram branch of hybrid drafting finds continuations."""
-    from tests.test_generation_hybrid import prompt as hybrid_prompt
+    from tests.helpers.hybrid import prompt as hybrid_prompt
 
     return hybrid_prompt(seed, repeats=True, length=length)
 
@@ -172,8 +172,8 @@ def test_compiled_trees_and_hybrid_rounds_have_one_shape_and_match_plain_greedy(
     if nodes is not None:
         drafter.draft_tree = nodes
     tree_forwards = []
-    tree_inputs = decoding.tree_inputs
-    monkeypatch.setattr(decoding, "tree_inputs", lambda *a, **k: tree_forwards.append(a[2]) or tree_inputs(*a, **k))
+    tree_inputs = verifier.tree_inputs
+    monkeypatch.setattr(verifier, "tree_inputs", lambda *a, **k: tree_forwards.append(a[2]) or tree_inputs(*a, **k))
     spy = WidthSpy(target)
     lookup = {} if ngram is None else {"prompt_lookup_num_tokens": ngram}
     for seed in range(2):
@@ -209,7 +209,7 @@ def test_trees_over_a_static_cache_without_compile_match_plain_greedy():
 
 
 def batched_static(target, drafter, input_ids, attention_mask, max_new_tokens, eos, **kwargs):
-    from tests.test_generation_batched import PAD
+    from tests.helpers.generation import PAD
 
     common = dict(attention_mask=attention_mask, do_sample=False, pad_token_id=PAD, eos_token_id=eos)
     expected = target.generate(input_ids, max_new_tokens=max_new_tokens, **common)
@@ -225,11 +225,11 @@ def test_batched_dflash_over_a_static_cache_matches_plain_batched_greedy(headroo
     """Batch N over a static cache: finished rows stay in it idle (a static cache keeps its batch), and the
     holes of rejected drafts are compacted in place when the next round would not fit."""
     from hf_dflash import caches
-    from tests.test_generation_batched import eos_mid_way, random_batch
+    from tests.helpers.generation import eos_mid_way, random_batch
 
     compactions = []
     compact = caches.compact_cache
-    monkeypatch.setattr(decoding, "compact_cache", lambda *a: compactions.append(1) or compact(*a))
+    monkeypatch.setattr(target_slots, "compact_cache", lambda *a: compactions.append(1) or compact(*a))
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=4)  # random: rows accept different counts, holes appear
     generator = torch.Generator().manual_seed(7)
@@ -244,7 +244,7 @@ def test_batched_dflash_over_a_static_cache_matches_plain_batched_greedy(headroo
 
 @pytest.mark.slow
 def test_compiled_batched_rounds_have_one_shape_and_match_plain_batched_greedy():
-    from tests.test_generation_batched import eos_mid_way, random_batch
+    from tests.helpers.generation import eos_mid_way, random_batch
 
     target = make_target("llama")
     drafter = make_drafter(target, block_size=4)
@@ -268,7 +268,7 @@ def test_one_size_trees_compile_the_width_their_first_tree_chose(ngram, monkeypa
     is plain greedy's."""
     from hf_dflash.generation.adaptive import AdaptiveBlockSize
     from hf_dflash.generation.cost_model import CostModel
-    from hf_dflash.generation.hybrid import TreeBudget
+    from hf_dflash.generation.hybrid_budget import TreeBudget
     from hf_dflash.generation.tree_drafting import TreeDrafting
 
     target = make_target("qwen3")

@@ -1,27 +1,12 @@
-"""SPEC §5 oracle 2: greedy DFlash output == plain greedy, token for token (fp32)."""
+"""The oracle: greedy DFlash output == plain greedy, token for token (fp32)."""
 
 import pytest
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
-from transformers.generation.streamers import BaseStreamer
+from transformers import StoppingCriteriaList
 
 from hf_dflash import DFlashGenerateOutput
-from tests.conftest import ARCHITECTURES, OracleDrafter, make_drafter, make_target
-
-
-def prompt(seed: int, length: int = 7) -> torch.LongTensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 128, (1, length), generator=generator)
-
-
-def plain_greedy(target, input_ids, **kwargs):
-    return target.generate(input_ids, do_sample=False, **kwargs)
-
-
-def oracle_for(target, input_ids, block_size, max_new_tokens):
-    greedy = plain_greedy(target, input_ids, max_new_tokens=max_new_tokens + block_size, eos_token_id=None)
-    config = make_drafter(target, block_size=block_size).config
-    return OracleDrafter(config, target.get_output_embeddings().weight, greedy).eval()
+from tests.conftest import ARCHITECTURES, make_drafter, make_target
+from tests.helpers.generation import Collect, StopAfterToken, oracle_for, plain_greedy, prompt
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
@@ -67,16 +52,6 @@ def test_eos_inside_accepted_block_stops_there(block_size):
     assert actual[0, -1].item() == eos and len(actual[0]) < len(free_run[0])
 
 
-class StopAfterToken(StoppingCriteria):
-    """Custom criterion: stop once `token` was generated (a stand-in for any user criterion)."""
-
-    def __init__(self, token: int, prompt_length: int):
-        self.token, self.prompt_length = token, prompt_length
-
-    def __call__(self, input_ids, scores, **kwargs):
-        return (input_ids[:, self.prompt_length :] == self.token).any(-1)
-
-
 def test_custom_stopping_criterion_met_mid_block():
     target = make_target("llama")
     input_ids = prompt(3)
@@ -89,18 +64,6 @@ def test_custom_stopping_criterion_met_mid_block():
     actual = target.generate(input_ids, do_sample=False, assistant_model=drafter, **kwargs)
     assert torch.equal(actual, expected)
     assert len(actual[0]) < len(free_run[0])
-
-
-class Collect(BaseStreamer):
-    def __init__(self):
-        self.chunks = []
-        self.ended = False
-
-    def put(self, value):
-        self.chunks.append(value.reshape(-1).tolist())
-
-    def end(self):
-        self.ended = True
 
 
 def test_streamer_receives_exactly_the_committed_tokens():

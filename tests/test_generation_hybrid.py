@@ -9,22 +9,14 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, StoppingCriteria, StoppingCriteriaList
 
 from hf_dflash import DFlashGenerateOutput
-from hf_dflash.generation import decoding
+from hf_dflash.generation import verifier
 from hf_dflash.generation.adaptive import AdaptiveBlockSize
 from hf_dflash.generation.cost_model import CostModel
 from tests.conftest import ARCHITECTURES, COMMON, VOCAB, OracleDrafter, make_drafter, make_target
-from tests.test_adaptive import random_schedule, record_drafter_calls, reference_features
+from tests.helpers.generation import random_schedule, record_drafter_calls, reference_features
+from tests.helpers.hybrid import prompt
 
 GREEDY = dict(do_sample=False, eos_token_id=None)
-
-
-def prompt(seed: int, repeats: bool, length: int = 8) -> torch.LongTensor:
-    """A random prompt; with `repeats`, a random span written three times (copying pays from the start)."""
-    generator = torch.Generator().manual_seed(seed)
-    if not repeats:
-        return torch.randint(3, VOCAB, (1, length), generator=generator)
-    span = torch.randint(3, VOCAB, (1, length // 2), generator=generator)
-    return torch.cat([span, span, span[:, : length // 4 + 1]], 1)
 
 
 def hybrid(target, drafter, input_ids, m=5, **kwargs):
@@ -52,13 +44,13 @@ class CountTreeForwards:
 
     def __init__(self, monkeypatch):
         self.count = 0
-        original = decoding.tree_inputs
+        original = verifier.tree_inputs
 
         def counting(*args, **kwargs):
             self.count += 1
             return original(*args, **kwargs)
 
-        monkeypatch.setattr(decoding, "tree_inputs", counting)
+        monkeypatch.setattr(verifier, "tree_inputs", counting)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
@@ -399,7 +391,7 @@ def test_one_hot_draft_rejection_sampling_keeps_the_target_distribution():
     from scipy.stats import chisquare
 
     from hf_dflash.generation.verification import speculative_sample
-    from tests.test_generation_sampling import ALPHA
+    from tests.helpers.generation import ALPHA
 
     generator = torch.Generator().manual_seed(0)
     vocab, draws = 6, 30000
@@ -420,7 +412,7 @@ def test_one_hot_draft_rejection_sampling_keeps_the_target_distribution():
 def test_hybrid_sampling_preserves_target_distribution():
     """generate(do_sample=True) in hybrid mode: the 2nd new token follows its exact marginal, with rounds
     that verified the n-gram chain and rounds that verified the block among the runs."""
-    from tests.test_generation_sampling import ALPHA, chi_square_against, second_token_marginal
+    from tests.helpers.generation import ALPHA, chi_square_against, second_token_marginal
 
     warpers = dict(temperature=0.8, top_k=40, top_p=0.95)
     target = make_target("qwen3", seed=3)

@@ -10,8 +10,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from hf_dflash.generation.tree_drafting import TreeDrafting, best_tree_size, tree_drafting
 from hf_dflash.trainer.consistency import served_tree_tau_estimates
 from tests.conftest import ARCHITECTURES, make_drafter, make_target
-from tests.test_generation_greedy import oracle_for, plain_greedy, prompt
-from tests.test_generation_sampling import check_sampled_second_token
+from tests.helpers.generation import check_sampled_second_token, oracle_for, plain_greedy, prompt
 
 GREEDY = dict(do_sample=False, eos_token_id=None)
 
@@ -172,7 +171,7 @@ def test_settings_batches_and_targets_that_cannot_verify_a_tree():
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_hybrid_with_a_drafter_tree_matches_plain_greedy(arch):
     """Hybrid drafting grafts the n-gram continuation onto the drafter's tree: one tree, one target forward."""
-    from tests.test_generation_hybrid import prompt as hybrid_prompt
+    from tests.helpers.hybrid import prompt as hybrid_prompt
 
     target = make_target(arch)
     drafter = make_drafter(target, block_size=6)

@@ -6,7 +6,6 @@ import torch
 from hf_dflash.trainer.initialization import init_from_target
 from hf_dflash.trainer.train import load_train_config, train_from_config
 from tests.conftest import make_drafter, make_target
-from tests.test_train_config import run_config  # noqa: F401  (fixture)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

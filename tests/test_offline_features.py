@@ -14,31 +14,11 @@ from hf_dflash.data.feature_cache import OfflineFeatureDataset, cache_features, 
 from hf_dflash.data.feature_cache import dataset as feature_dataset
 from hf_dflash.target_features import compute_target_features
 from tests.conftest import make_target
+from tests.helpers.features import SAMPLES, write_tokenized
 
 LAYER_IDS = [1, 3]
 HIDDEN = 32
-# Two tokenised files, lengths 3..20 (batches mix lengths), one id that is not a safe tensor name.
-SAMPLES = [
-    [
-        {"id": "a", "input_ids": [5, 17, 9], "loss_mask": [0, 1, 1]},
-        {"id": "conv/7 #b", "input_ids": list(range(3, 23)), "loss_mask": [0] * 5 + [1] * 15},
-        {"id": "c", "input_ids": [8, 4, 99, 100, 7, 7, 7], "loss_mask": [0, 0, 1, 1, 1, 1, 1]},
-    ],
-    [
-        {"id": "d", "input_ids": [1, 2, 3, 4, 5], "loss_mask": [0, 1, 1, 1, 1]},
-        {"id": "e", "input_ids": [127] * 12, "loss_mask": [1] * 12},
-        {"id": "f", "input_ids": [60, 61, 62, 63, 64, 65, 66, 67, 68], "loss_mask": [0] * 4 + [1] * 5},
-    ],
-]
 ALL = [sample for file in SAMPLES for sample in file]
-
-
-def write_tokenized(folder: Path) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    for number, samples in enumerate(SAMPLES):
-        lines = [json.dumps(sample) for sample in samples]
-        (folder / f"tokenized-{number:05d}.jsonl").write_text("\n".join(lines) + "\n")
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +242,7 @@ def test_dataset_opens_shards_lazily_once_per_process(cache, data, monkeypatch):
 
 
 def test_cli_cache_features(target, data, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("hf_dflash.models.load_target", lambda name, dtype: (target, None))
+    monkeypatch.setattr("hf_dflash.targets.load_target", lambda name, dtype: (target, None))
     out = tmp_path / "cli"
     args = ["cache-features", "--data", str(data), "--out", str(out), "--target", "tiny"]
     assert main([*args, "--target-layer-ids", "1,3", "--dtype", "float16", "--batch-size", "3"]) == 0

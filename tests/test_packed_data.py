@@ -5,20 +5,7 @@ import json
 import pytest
 
 from hf_dflash.data.packed import MANIFEST_NAME, PackedDataset, pack_tokenized, read_manifest
-from tests.test_data import make_char_tokenizer
-from tests.test_train_config import run_config  # noqa: F401  (fixture)
-
-
-def write_tokenized(folder, name, samples):
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / name).write_text("".join(json.dumps(s) + "\n" for s in samples))
-
-
-def sample(i, source="gsm8k"):
-    return {"id": f"{source}:{i}", "input_ids": [1 + i, 70, 71, 2], "loss_mask": [0, 1, 1, 1]}
-
-
-SETTINGS = {"dtype": "bfloat16", "max_new_tokens": 384}
+from tests.helpers.data import SETTINGS, make_char_tokenizer, sample, write_tokenized
 
 
 def test_round_trip_incremental_and_counted(tmp_path):
@@ -69,7 +56,7 @@ def test_refusals_name_the_problem(tmp_path):
 def test_training_reads_a_packed_folder_with_a_sample_limit(tmp_path, run_config):  # noqa: F811
 
     from hf_dflash.trainer.train import load_train_config, train_from_config
-    from tests.test_trainer import samples
+    from tests.helpers.training import samples
 
     tokenized = tmp_path / "tok"
     rows = [{"id": f"{'gsm8k' if i % 2 else 'math'}:{i}", **row} for i, row in enumerate(samples(count=8))]
@@ -89,7 +76,7 @@ def test_pack_data_command_records_the_run_settings(tmp_path, monkeypatch, capsy
 
     tok = make_char_tokenizer()
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: tok)
-    monkeypatch.setattr("hf_dflash.models.default_cache_dir", lambda: tmp_path)  # a "converted" target folder
+    monkeypatch.setattr("hf_dflash.targets.default_cache_dir", lambda: tmp_path)  # a "converted" target folder
     (tmp_path / "smollm2-135m-instruct").mkdir()
     tokenized, responses = tmp_path / "tok", tmp_path / "responses"
     write_tokenized(tokenized, "tokenized-00000.jsonl", [sample(0), sample(1, "math")])

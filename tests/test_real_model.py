@@ -31,7 +31,7 @@ def random_drafter(real_target):
 def test_mask_token_and_layer_ids_for_smollm2(real_target, random_drafter):
     target, tokenizer = real_target
     config = random_drafter.config
-    assert config.target_layer_ids == [1, 8, 14, 20, 27]  # SPEC §1 for a 30-layer target
+    assert config.target_layer_ids == [1, 8, 14, 20, 27]  # round(1 + i * (L - 4) / (n - 1)), L = 30, n = 5
     assert config.mask_token_id not in {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id}
     assert tokenizer.convert_ids_to_tokens(config.mask_token_id) not in tokenizer.chat_template
 

@@ -8,6 +8,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -124,8 +125,10 @@ def train_variant_configs(monkeypatch, tmp_path, spec: str) -> list[dict]:
         return None
 
     monkeypatch.setattr(train, "train_from_config", fake_train_from_config)
+    now = 1_000_000.0  # the script's clock stands still: the budget does not depend on how busy the machine is
+    monkeypatch.setattr(train_on_gpu, "time", SimpleNamespace(time=lambda: now, strftime=time.strftime))
     args = argparse.Namespace(
-        variant=[spec], out=str(tmp_path), device="cpu", memory_fraction=1.0, calibration_steps=4, deadline=time.time() + 100,
+        variant=[spec], out=str(tmp_path), device="cpu", memory_fraction=1.0, calibration_steps=4, deadline=now + 100,
         data="data/smollm2-135m-instruct", target="smollm2-135m-instruct", eval_samples=64, eval_part=None,
         block_size=16, num_anchors=8, train_batch_size=2, seed=0,
     )  # fmt: skip
@@ -144,7 +147,8 @@ def test_a_budgeted_variant_is_timed_first_then_fitted_into_the_budget(monkeypat
     calibration, run = train_variant_configs(monkeypatch, tmp_path, "B:num_hidden_layers=1")
     assert calibration["training"]["max_steps"] == 4 and calibration["training"]["eval_strategy"] == "no"
     assert calibration["training"]["output_dir"].endswith("B-calibration")
-    assert 4 < run["training"]["max_steps"] <= 100 and run["training"]["eval_strategy"] == "steps"
+    # 1 s per timed step (the fake run's clock); 100 s left minus the 45 s reserved for loading and saving
+    assert run["training"]["max_steps"] == 55 and run["training"]["eval_strategy"] == "steps"
 
 
 offline_subset = load_module("scripts/offline_subset.py")
@@ -154,8 +158,7 @@ def test_offline_subset_holds_out_the_fixed_chats_last_and_refuses_other_setting
     from hf_dflash.data.packed import PackedDataset, pack_tokenized
     from hf_dflash.data.tokenized import TokenizedDataset
     from hf_dflash.trainer.train import held_out_indices
-    from tests.test_data import make_char_tokenizer
-    from tests.test_packed_data import SETTINGS, sample, write_tokenized
+    from tests.helpers.data import SETTINGS, make_char_tokenizer, sample, write_tokenized
 
     packed, tok = tmp_path / "packed", make_char_tokenizer()
     write_tokenized(tmp_path / "a", "tokenized-00000.jsonl", [sample(i) for i in range(6)])
@@ -215,8 +218,7 @@ def test_offline_subset_excludes_the_chats_of_earlier_subsets(tmp_path, capsys):
     """`--exclude subset.json` (repeatable) draws only chats those subsets did not: a drafter trained
     further on an earlier one's weights then sees chats it has not seen."""
     from hf_dflash.data.packed import pack_tokenized
-    from tests.test_data import make_char_tokenizer
-    from tests.test_packed_data import SETTINGS, sample, write_tokenized
+    from tests.helpers.data import SETTINGS, make_char_tokenizer, sample, write_tokenized
 
     packed, tok = tmp_path / "packed", make_char_tokenizer()
     write_tokenized(tmp_path / "a", "tokenized-00000.jsonl", [sample(i) for i in range(8)])
@@ -272,7 +274,7 @@ regenerate_range = load_module("scripts/regenerate_range.py")
 def test_regenerate_range_refuses_a_negative_or_out_of_range_span(tmp_path, monkeypatch, capsys):
     """Issue 25 B6: `--start -2` regenerated the last two prompts (a Python slice) and an `--end` past the
     corpus was clamped; both are errors, found before the target loads."""
-    import hf_dflash.models
+    import hf_dflash.targets
 
     assert regenerate_range.prompt_range(10, 0, None) == (0, 10)
     assert regenerate_range.prompt_range(10, 3, 7) == (3, 7)
@@ -282,7 +284,7 @@ def test_regenerate_range_refuses_a_negative_or_out_of_range_span(tmp_path, monk
     def no_target(*args, **kwargs):
         raise AssertionError("the target was loaded before the range was checked")
 
-    monkeypatch.setattr(hf_dflash.models, "load_target", no_target)
+    monkeypatch.setattr(hf_dflash.targets, "load_target", no_target)
     common = ["--part", "p", "--prompts", str(prompts), "--work", str(tmp_path / "work")]
     for span, fragment in [
         (["--start", "-2"], "--start -2: must be a prompt index in [0, 10)"),

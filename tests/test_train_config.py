@@ -10,48 +10,11 @@ from huggingface_hub import ModelCard
 
 from hf_dflash.checkpoints import load_drafter
 from hf_dflash.data.tokenized import TokenizedDataset
-from hf_dflash.models import load_any_target
+from hf_dflash.targets import load_any_target
 from hf_dflash.trainer.train import load_train_config, train_from_config
-from tests.conftest import make_target
-from tests.test_trainer import samples
+from tests.helpers.training import write_tokenized
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct-dflash"
-
-
-def write_tokenized(folder, rows):
-    folder.mkdir(parents=True, exist_ok=True)
-    with (folder / "tokenized-00000.jsonl").open("w") as handle:
-        for i, row in enumerate(rows):
-            handle.write(json.dumps({"id": f"s{i}", **row}) + "\n")
-
-
-@pytest.fixture
-def run_config(tmp_path):
-    target_dir = tmp_path / "target"
-    make_target("llama").save_pretrained(target_dir)
-    write_tokenized(tmp_path / "tokenized", samples(count=6))
-    config = {
-        "target": str(target_dir),
-        "target_dtype": "float32",  # the same on every machine ("auto" may pick bf16)
-        "drafter": {"num_hidden_layers": 1, "num_target_features": 2},
-        "data": {"tokenized": str(tmp_path / "tokenized"), "eval_samples": 2},
-        "training": {
-            "output_dir": str(tmp_path / "drafter"),
-            "block_size": 4,
-            "num_anchors": 4,
-            "max_steps": 4,
-            "per_device_train_batch_size": 2,
-            "save_steps": 2,
-            "report_to": [],
-            "use_cpu": True,
-            "eval_strategy": "steps",
-            "eval_steps": 2,
-            "logging_steps": 1,
-        },
-    }
-    path = tmp_path / "train.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 def test_train_from_yaml_saves_a_drafter_and_reports_tau(run_config):

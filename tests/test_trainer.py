@@ -11,38 +11,7 @@ from hf_dflash import DFlashDraftModel
 from hf_dflash.trainer import DFlashDataCollator, DFlashTrainer, DFlashTrainingArguments, compute_target_features
 from hf_dflash.trainer.forward import dflash_training_forward
 from tests.conftest import make_drafter, make_target
-
-BLOCK = 4
-
-
-def samples(count=8, length=24, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(count):
-        size = length - (i % 3) * 4
-        prompt = 6 + i % 4
-        ids = torch.randint(3, 128, (size,), generator=generator).tolist()
-        out.append({"input_ids": ids, "loss_mask": [0] * prompt + [1] * (size - prompt)})
-    return out
-
-
-def arguments(tmp_path, **overrides):
-    fields = dict(
-        output_dir=str(tmp_path / "run"),
-        block_size=BLOCK,
-        num_anchors=6,
-        per_device_train_batch_size=2,
-        learning_rate=3e-3,
-        warmup_steps=0,
-        num_train_epochs=1,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        dataloader_drop_last=True,
-    )
-    return DFlashTrainingArguments(**(fields | overrides))
+from tests.helpers.training import BLOCK, arguments, samples
 
 
 def test_packed_training_forward_equals_inference_forward_per_block():

@@ -1,4 +1,4 @@
-"""SPEC §4/§5 oracles for the training maths: decay weights, anchors, blocks, mask, loss."""
+"""Oracles for the training maths: decay weights, anchors, blocks, mask, loss."""
 
 import math
 

@@ -14,9 +14,9 @@ from hf_dflash.generation.cost_timing import (
     measure_verification_seconds,
     measured_cost_model,
 )
-from hf_dflash.generation.hybrid import TreeBudget, best_tree_size
+from hf_dflash.generation.hybrid_budget import TreeBudget, best_split
 from tests.conftest import make_drafter, make_target
-from tests.test_adaptive import FakeMeasure
+from tests.helpers.generation import FakeMeasure
 
 
 def tensor(values) -> torch.Tensor:
@@ -48,16 +48,16 @@ def test_cost_model_rejects_malformed_verification_tables(lengths, seconds, matc
         CostModel((1,), {1: (1.0,)}, lengths, seconds)
 
 
-def test_best_tree_size_by_hand():
+def test_best_split_by_hand():
     expected_block = tensor([1.0, 1.5, 1.75])  # E_block(k), k = 1..3
     gain = tensor([0.0, 0.9, 1.5])  # G(m), m = 0..2
     seconds = torch.ones(3, 3)
-    assert best_tree_size(expected_block, gain, seconds, one_branch=False) == (3, 2)  # 3.25 tokens
-    assert best_tree_size(expected_block, gain, seconds, one_branch=True) == (1, 2)  # 2.5 beats 1.75
+    assert best_split(expected_block, gain, seconds, one_branch=False) == (3, 2)  # 3.25 tokens
+    assert best_split(expected_block, gain, seconds, one_branch=True) == (1, 2)  # 2.5 beats 1.75
     seconds = tensor([[1.0, 1.0, 2.0], [1.2, 1.4, 2.4], [1.4, 2.0, 3.0]])
-    assert best_tree_size(expected_block, gain, seconds, one_branch=False) == (1, 1)  # 1.9 tokens/s
+    assert best_split(expected_block, gain, seconds, one_branch=False) == (1, 1)  # 1.9 tokens/s
     flat = torch.ones(3, 1)
-    assert best_tree_size(tensor([1.0, 1.0, 1.0]), tensor([0.0]), flat, one_branch=False) == (1, 0)  # ties: smallest
+    assert best_split(tensor([1.0, 1.0, 1.0]), tensor([0.0]), flat, one_branch=False) == (1, 0)  # ties: smallest
 
 
 def test_tree_budget_learns_each_branch_and_skips_what_is_never_accepted():
@@ -157,7 +157,7 @@ def test_real_verification_measurement_is_positive_and_leaves_rng_alone():
 def test_copy_estimates_keep_unreached_slots_at_the_prior():
     """The n-gram branch's slots shrink toward the prior each on its own (a copy right for its first drafts
     tends to stay right); a model's slots shrink toward the slot before them."""
-    from hf_dflash.generation.hybrid import BranchEstimate
+    from hf_dflash.generation.hybrid_budget import BranchEstimate
 
     settings = AdaptiveBlockSize(decay=1.0)
     copy, model = BranchEstimate(3, settings, chained=False), BranchEstimate(3, settings)

@@ -23,7 +23,7 @@ import torch
 from hf_dflash.data.continuous import continuous_greedy_replies
 from hf_dflash.data.regenerate import generate_replies, stop_ids
 from hf_dflash.data.sources import TRAIN_SOURCES, load_source
-from hf_dflash.models import load_target
+from hf_dflash.targets import load_target
 
 
 def prompt_ids(tokenizer, count: int, max_prompt_tokens: int, seed: int) -> list[list[int]]:

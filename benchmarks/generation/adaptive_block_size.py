@@ -33,7 +33,7 @@ from hf_dflash.bench.loading import RANDOM_DRAFTER, load_bench_models, machine_d
 from hf_dflash.bench.prompts import EVAL_SETS, load_prompt_sets
 from hf_dflash.bench.runner import rotated
 from hf_dflash.generation.cost_timing import measured_cost_model
-from hf_dflash.models import DEFAULT_TARGET
+from hf_dflash.targets import DEFAULT_TARGET
 
 WARMUP_TOKENS = 4
 

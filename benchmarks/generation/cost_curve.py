@@ -39,7 +39,7 @@ from hf_dflash.checkpoints import load_drafter
 from hf_dflash.dtypes import cpu_flags
 from hf_dflash.generation.cost_timing import VERIFICATION_CONTEXT
 from hf_dflash.json_files import write_json_atomic
-from hf_dflash.models import load_target
+from hf_dflash.targets import load_target
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -17,9 +17,9 @@ Plain greedy `target.generate` runs on the same prompt, interleaved with the DFl
     python benchmarks/generation/loop_overhead.py --profile out/loop_overhead.prof   # + cProfile of one DFlash run
     python benchmarks/generation/loop_overhead.py --force-tau 4   # drafts forced to the target's greedy text (tau = 4)
 
-`--breakdown` wraps, in this process only, each step of the loop (the methods of
-hf_dflash.generation.decoding.DecodingLoop) and the helpers they call with timers; "the loop between
-steps" is what is left of the overhead.
+`--breakdown` profiles one more run (cProfile) and reads off the time of each step of the loop (the
+functions of `hf_dflash.generation` that run it: `LOOP_STEPS`) and of the helpers they call; "the loop
+between steps" is what is left of the overhead.
 
 `--force-tau N` shows how the overhead scales with the acceptance length: the drafter and its LM head
 still run, then (in this process only) the drafts are replaced: the first N-1 are the target's own
@@ -39,7 +39,6 @@ import pstats
 import statistics
 import sys
 import time
-from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -47,10 +46,8 @@ import torch
 
 import hf_dflash
 from hf_dflash.dtypes import describe_dtype
-from hf_dflash.generation import decoding as decoding_module
-from hf_dflash.generation.decoding import DecodingLoop
 from hf_dflash.generation.drafting import BlockDrafter
-from hf_dflash.models import load_target
+from hf_dflash.targets import load_target
 
 DEFAULT_PROMPT = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -105,74 +102,59 @@ class ForwardTimer:
         return sum(e - s for s, e in self.calls if start <= s < end)
 
 
-class GlueTimers:
-    """Wraps functions/methods with perf_counter timers (seconds and call counts per label); `restore()` undoes it."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.calls: dict[str, int] = defaultdict(int)
-        self._patches: list[tuple[object, str, object, bool]] = []
-
-    def wrap(self, owner: object, name: str, label: str, classify=None) -> None:
-        """Time `owner.name`; `classify(args)` may return a different label per call."""
-        had_own = name in vars(owner) if hasattr(owner, "__dict__") else False
-        original = getattr(owner, name)
-        seconds, calls = self.seconds, self.calls
-
-        def timed(*args, **kwargs):
-            key = classify(args) if classify is not None else label
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                seconds[key] += time.perf_counter() - start
-                calls[key] += 1
-
-        setattr(owner, name, timed)
-        self._patches.append((owner, name, original if had_own else None, had_own))
-
-    def restore(self) -> None:
-        for owner, name, original, had_own in reversed(self._patches):
-            if had_own:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
-        self._patches = []
+# Each step of a round: the functions that run it, as (a path ending, a function name) of cProfile's records.
+LOOP_STEPS = {
+    "propose": [("strategies/chain.py", "propose"), ("strategies/hybrid.py", "propose")],
+    "verify": [("verifier.py", "verify")],
+    "accept": [("verdict.py", "judge")],
+    "commit": [("rows.py", "commit")],
+    "record_outputs": [("decoding.py", "record_outputs")],
+    "rollback": [("target_slots.py", "keep"), ("drafting.py", "add_context")],
+    "prune": [("target_slots.py", "prune"), ("drafting.py", "prune")],
+}
+HELPERS = {
+    "process_rows": [("verification.py", "process_rows")],
+    "accepted_lengths": [("custom_generate.py", "accepted_lengths")],
+    "count_until_stop": [("verification.py", "count_until_stop")],
+    "target_layer_features": [("target_features.py", "target_layer_features")],
+    "row_copies": [("verification.py", "row_copies")],
+    "target.prepare_inputs_for_generation": [("generation/utils.py", "prepare_inputs_for_generation")],
+    "Cache.crop (target and drafter)": [("cache_utils.py", "crop")],
+}
 
 
-LOOP_STEPS = ("draft", "verify", "accept", "commit", "record_outputs", "rollback", "prune")
-
-
-def instrument_glue(target) -> GlueTimers:
-    """Timers on each step of the loop (`DecodingLoop` methods) and on the helpers the steps call."""
-    from transformers.cache_utils import DynamicCache
-
-    glue = GlueTimers()
-    for step in LOOP_STEPS:
-        glue.wrap(DecodingLoop, step, f"step {step}")
-    for name in ("process_rows", "accepted_lengths", "count_until_stop", "target_layer_features", "row_copies"):
-        glue.wrap(decoding_module, name, f"  decoding.{name}")
-    glue.wrap(target, "prepare_inputs_for_generation", "  target.prepare_inputs_for_generation")
-    glue.wrap(DynamicCache, "crop", "  DynamicCache.crop (target and drafter)")
-    return glue
+def profiled_seconds(stats: pstats.Stats, functions: list[tuple[str, str]]) -> tuple[float, int]:
+    """(cumulative seconds, calls) of the profiled functions named by (path ending, function name); functions
+    that call one another are not both counted (none of a step's do)."""
+    seconds = calls = 0
+    for (path, _, name), (_, primitive_calls, _, cumulative, _) in stats.stats.items():
+        if any(path.endswith(ending) and name == wanted for ending, wanted in functions):
+            seconds += cumulative
+            calls += primitive_calls
+    return seconds, calls
 
 
 def glue_breakdown(target, drafter, inputs, max_new_tokens: int, timers: dict[str, ForwardTimer]) -> dict:
-    """One instrumented DFlash run: ms per verification round spent in each step of the loop and helper.
-    The draft step's own lines exclude the drafter forward and the draft LM head/embedding; the verify
-    step's exclude the target forward."""
-    glue = instrument_glue(target)
+    """One profiled DFlash run (cProfile: nothing of the loop is replaced): ms per verification round spent in
+    each step of the loop and helper. The propose step's own lines exclude the drafter forward and the draft LM
+    head/embedding; the verify step's exclude the target forward. Profiling slows Python itself down: the
+    shares between steps are what this shows, not their absolute cost."""
+    profiler = cProfile.Profile()
+    profiler.enable()
     try:
         run, _ = run_dflash(target, drafter, inputs, max_new_tokens, timers)
     finally:
-        glue.restore()
+        profiler.disable()
+    stats = pstats.Stats(profiler)
+    labelled = {f"step {step}": profiled_seconds(stats, found) for step, found in LOOP_STEPS.items()}
+    labelled |= {f"  {name}": profiled_seconds(stats, found) for name, found in HELPERS.items()}
     rounds = max(run.rounds, 1)
-    per_round = {label: 1e3 * seconds / rounds for label, seconds in glue.seconds.items()}
+    per_round = {label: 1e3 * seconds / rounds for label, (seconds, _) in labelled.items()}
     drafter_ms, head_ms, target_ms = mean(run.drafter_ms), mean(run.draft_head_ms), mean(run.target_ms)
     overhead = mean(run.round_ms) - drafter_ms - target_ms
     steps = {step: per_round.get(f"step {step}", 0.0) for step in LOOP_STEPS}
     own = dict(steps)
-    own["draft"] -= drafter_ms + head_ms
+    own["propose"] -= drafter_ms + head_ms
     own["verify"] -= target_ms + 1e3 * run.prefill_s / rounds  # the prefill is the first verify step
     return {
         "rounds": run.rounds,
@@ -181,7 +163,7 @@ def glue_breakdown(target, drafter, inputs, max_new_tokens: int, timers: dict[st
         "step_glue_ms": own,
         "helpers_ms": {k.strip(): v for k, v in per_round.items() if not k.startswith("step ")},
         "loop_inline_ms": overhead - head_ms - sum(own.values()),
-        "calls": dict(glue.calls),
+        "calls": {label.strip(): calls for label, (_, calls) in labelled.items()},
     }
 
 

@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_dflash.generation.tree import tree_attention_bias
-from hf_dflash.models import load_target
+from hf_dflash.targets import load_target
 
 TOKENS = (1, 2, 4, 8, 16, 24, 32)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

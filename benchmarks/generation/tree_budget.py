@@ -33,7 +33,7 @@ from hf_dflash.generation.cost_model import CostModel
 from hf_dflash.generation.cost_timing import measure_verification_seconds, measured_cost_model
 from hf_dflash.generation.tree_drafting import AUTO_MAX_NODES, auto_tree_drafting
 from hf_dflash.json_files import write_json_atomic
-from hf_dflash.models import load_target
+from hf_dflash.targets import load_target
 
 
 def timed(target, inputs, settings, drafter) -> tuple[torch.LongTensor, float]:

@@ -29,8 +29,8 @@ from transformers.cache_utils import DFlashCache
 from hf_dflash import DFlashConfig, DFlashDraftModel
 from hf_dflash.data.packed import PackedDataset
 from hf_dflash.dtypes import describe_dtype
-from hf_dflash.models import load_target
 from hf_dflash.target_features import compute_target_features
+from hf_dflash.targets import load_target
 from hf_dflash.trainer.collator import DFlashDataCollator
 from hf_dflash.trainer.draft_vocab import select_draft_vocab, supervised_token_counts
 from hf_dflash.trainer.forward import dflash_training_forward

@@ -23,7 +23,7 @@ import torch
 from hf_dflash.checkpoints import load_drafter
 from hf_dflash.data.packed import PackedDataset
 from hf_dflash.dtypes import describe_dtype
-from hf_dflash.models import load_target
+from hf_dflash.targets import load_target
 from hf_dflash.trainer.consistency import reply_spans, served_tau_estimate
 
 

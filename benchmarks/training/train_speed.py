@@ -28,7 +28,7 @@ def write_tokenized(folder: Path, samples: int, max_length: int) -> int:
     """GSM8K train (question, answer) chats -> tokenized-00000.jsonl; returns the token count."""
     from hf_dflash.data.sources import locate
     from hf_dflash.json_files import read_jsonl
-    from hf_dflash.models import load_target
+    from hf_dflash.targets import load_target
 
     _, tokenizer = load_target("smollm2-135m-instruct")
     folder.mkdir(parents=True, exist_ok=True)
@@ -53,7 +53,7 @@ def run_mode(mode: str, workdir: Path, steps: int, batch_size: int, num_anchors:
     import torch
 
     from hf_dflash import DFlashConfig, DFlashDraftModel
-    from hf_dflash.models import load_target
+    from hf_dflash.targets import load_target
     from hf_dflash.trainer import DFlashTrainer, DFlashTrainingArguments, OfflineFeatureDataset, TokenizedDataset
 
     settings = MODES[mode]
@@ -125,7 +125,7 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="dflash-train-speed-"))
     tokens = write_tokenized(workdir / "tokenized", args.samples, args.max_length)
     from hf_dflash.modeling_dflash import default_target_layer_ids
-    from hf_dflash.models import load_target
+    from hf_dflash.targets import load_target
     from hf_dflash.trainer import cache_features
 
     target, _ = load_target("smollm2-135m-instruct")

@@ -12,7 +12,7 @@ import transformers
 from ..checkpoints import load_drafter
 from ..dtypes import AUTO, cpu_flags, resolve_dtype
 from ..modeling_dflash import DFlashConfig, DFlashDraftModel
-from ..models import load_any_target, resolve_device
+from ..targets import load_any_target, resolve_device
 
 __all__ = ["RANDOM_DRAFTER", "BenchModels", "load_bench_models", "machine_description", "random_drafter"]
 

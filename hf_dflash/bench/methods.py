@@ -15,7 +15,7 @@
              over 512 slots, 100 over 2,048); each length is a graph, compiled by an untimed warm-up call
              the first time it comes (reported apart), never by a timed one
     dflash-compiled  dflash with the same StaticCache and `compile_config`: our loop compiles its verification
-             forward (one graph per block length, short last rounds padded), the prefill stays eager
+             forward (one width per call: shorter rounds padded), the prefill stays eager
 The baseline is the fastest of the plain decodings that ran, so no speed-up is bought with a slow baseline.
 
 Acceptance lengths (tokens committed per verification round, bonus token included): our loop reports

@@ -1,4 +1,4 @@
-"""DFlash drafter checkpoints: reading, writing, converting and publishing them (SPEC §2).
+"""DFlash drafter checkpoints: reading, writing, converting and publishing them (Hub-native and official formats).
 
 files.py        file names, config.json, safetensors weights, dtypes, Hub download
 building.py     a DFlashDraftModel from translated config kwargs + a state dict

@@ -103,17 +103,26 @@ def resolve_folder(path: str | os.PathLike, revision: str | None = None, token=N
         return local
     if local.exists():
         raise ValueError(f"{path} is a file; pass the checkpoint folder that holds {CONFIG_NAME}.")
-    try:
-        from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
 
+    try:
         downloaded = snapshot_download(
             repo_id=str(path),
             revision=revision,
             token=token,
             allow_patterns=["*.json", "*.safetensors", "*.py", "*.md"],
         )
-    except Exception as error:
-        raise ValueError(f"{path} is neither a local folder nor a downloadable Hub repository: {error}") from error
+    except (RepositoryNotFoundError, RevisionNotFoundError, HFValidationError) as error:
+        raise ValueError(
+            f"{path} is neither a local folder nor a Hub repository ({type(error).__name__}): pass a checkpoint "
+            "folder, or a Hub repo id you can read (with its revision)."
+        ) from error
+    except (HfHubHTTPError, OSError) as error:  # no network, offline mode, a refused token, a full disk
+        raise OSError(
+            f"Could not download the Hub repository {path} ({type(error).__name__}: {error}): check the network "
+            "and your token (HF_TOKEN), or pass a local folder."
+        ) from error
     return Path(downloaded)
 
 

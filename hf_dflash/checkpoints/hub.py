@@ -1,4 +1,4 @@
-"""The Hub-native format ("hub", SPEC §2): what `save_pretrained` writes, checked.
+"""The Hub-native format ("hub"): what `save_pretrained` writes, checked.
 
 `config.json` with `model_type: "dflash"`, every field top-level and an `auto_map` pointing at the
 two self-contained remote-code files copied next to it (`configuration_dflash.py`,

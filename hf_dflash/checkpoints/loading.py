@@ -1,6 +1,6 @@
 """Loading any DFlash drafter: format detection, `load_drafter`, and drafter objects built by other code.
 
-Formats (SPEC §2): Hub-native ("hub", `hub.py`), official / SpecForge / vLLM / SGLang ("official",
+Formats: Hub-native ("hub", `hub.py`), official / SpecForge / vLLM / SGLang ("official",
 `official.py`) and vLLM speculators ("speculators", load only, `speculators.py`).
 
 * DFlash2 (z-lab's `DFlash2DraftModel`; speculators' `dflash2`): dynamic convolutions around each

@@ -1,4 +1,4 @@
-"""The official / SpecForge / vLLM / SGLang format ("official", SPEC §2).
+"""The official / SpecForge / vLLM / SGLang format ("official").
 
 `config.json` with `model_type: "qwen3"`, `architectures: ["DFlashDraftModel"]`, Qwen3 decoder fields,
 `block_size`, `num_target_layers` and `dflash_config: {mask_token_id, target_layer_ids, block_size}`;

@@ -5,7 +5,7 @@
                    official=True, dtype="bfloat16", repo_id="me/SmolLM2-135M-Instruct-DFlash")
     push_folder("out/repo", "me/SmolLM2-135M-Instruct-DFlash")   # private unless private=False
 
-The folder (Hub-native checkpoint, SPEC §2):
+The folder (a Hub-native checkpoint):
 
     config.json                 model_type "dflash", auto_map -> the two remote-code files
     configuration_dflash.py     remote code (imports only torch / transformers)

@@ -18,8 +18,8 @@ import torch
 from ..folder_lock import folder_lock
 from ..json_files import read_jsonl
 from ..modeling_dflash import DFlashConfig
-from ..models import DEFAULT_TARGET, load_target
 from ..output_paths import check_output_folder
+from ..targets import DEFAULT_TARGET, load_target
 from .corpus import build_corpus
 from .regenerate import DEFAULT_REGENERATION_BATCH, DEFAULT_REGENERATION_SHARD, regenerate_responses
 from .sources import TRAIN_SOURCES

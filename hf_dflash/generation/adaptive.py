@@ -218,6 +218,21 @@ def is_block_size(k, max_block_size: int) -> bool:
     return isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= max_block_size
 
 
+def block_size_policy(drafter: DFlashDraftModel, unset=None):
+    """The drafter's block size policy, normalised: `drafter.block_size_policy`, else the one its config recommends
+    (`DFlashConfig.block_size_policy`), else `unset` (chains: None, the trained block; hybrid drafting:
+    "adaptive"); "adaptive" becomes `AdaptiveBlockSize()`."""
+    # An optional user setting on our own model class, not state: unset means the config's recommendation.
+    policy = getattr(drafter, POLICY_ATTRIBUTE, None)
+    if policy is None:
+        policy = getattr(drafter.config, "block_size_policy", None)
+    if policy is None:
+        policy = unset
+    if isinstance(policy, str) and policy == "adaptive":
+        return AdaptiveBlockSize()
+    return policy
+
+
 def block_size_controller(
     drafter: DFlashDraftModel, target: PreTrainedModel, batch_size: int, fixed_verification: bool = False
 ) -> BlockSizeController:
@@ -229,14 +244,9 @@ def block_size_controller(
     `fixed_verification`: every round verifies B tokens (compiled verification; `AdaptiveBlockSize.start`).
     """
     max_block_size = drafter.config.block_size
-    # An optional user setting on our own model class, not state: unset means the config's recommendation.
-    policy = getattr(drafter, POLICY_ATTRIBUTE, None)
-    if policy is None:
-        policy = getattr(drafter.config, "block_size_policy", None)
+    policy = block_size_policy(drafter)
     if policy is None:
         return FixedBlockSize(max_block_size)
-    if isinstance(policy, str) and policy == "adaptive":
-        policy = AdaptiveBlockSize()
     if isinstance(policy, AdaptiveBlockSize):
         return policy.start(target, drafter, batch_size, fixed_verification)
     if is_block_size(policy, max_block_size):

@@ -1,7 +1,7 @@
 """`DFlashCandidateGenerator`: the DFlash drafter behind Transformers' `CandidateGenerator` contract.
 
-Our own loop (`decoding.py`) drives the drafter through `BlockDrafter` directly, for any batch size. This
-adapter serves loops written to Transformers' contract (its `_assisted_decoding`, batch size 1): it
+Our own loop (`decoding.py`) drives its drafting strategies for any batch size. This adapter of the chain
+strategy serves loops written to Transformers' contract (its `_assisted_decoding`, batch size 1): it
 needs the previous target forward's outputs (`requires_model_outputs`) with the hidden states of
 `target_layer_ids` (`model_kwargs_overrides`); the first call returns no candidates, so the target's
 prefill produces the prompt features; later calls draft one block from the features of the tokens the
@@ -21,14 +21,16 @@ from ..target_features import target_layer_features
 from .adaptive import BlockSizeController, FixedBlockSize
 from .drafting import BlockDrafter
 from .pairing import check_pairing
+from .rows import Rows
 from .stats import AcceptanceStats
+from .strategies import ChainDrafting
 
 
 class DFlashCandidateGenerator(CandidateGenerator):
-    """Drafts k - 1 tokens per round from `[bonus, MASK x (k - 1)]`, k = block_size unless a
-    `block_size_controller` chooses k <= block_size each round (k = 1: no drafter pass), never past
-    `max_length`. Candidate logits (sampling, or greedy with logits processors) are the processed draft
-    logits, as Transformers' loop expects them."""
+    """The chain strategy (`strategies/chain.py`) behind Transformers' contract: drafts k - 1 tokens per round
+    from `[bonus, MASK x (k - 1)]`, k = block_size unless a `block_size_controller` chooses k <= block_size each
+    round (k = 1: no drafter pass), never past `max_length`. Candidate logits (sampling, or greedy with logits
+    processors) are the processed draft logits, as Transformers' loop expects them."""
 
     requires_model_outputs = True
 
@@ -41,15 +43,15 @@ class DFlashCandidateGenerator(CandidateGenerator):
         block_size_controller: BlockSizeController | None = None,
     ):
         check_pairing(target, drafter)
-        self.block = BlockDrafter(drafter, target)
+        controller = block_size_controller or FixedBlockSize(drafter.config.block_size)
+        # Transformers' loop samples its candidates itself from the logits it is given: the chain drafts greedily
+        self.chain = ChainDrafting(BlockDrafter(drafter, target), controller, False, logits_processor)
         self.target_layer_ids = list(drafter.config.target_layer_ids)
         self.model_kwargs_overrides: dict[str, Any] = {"output_hidden_states": [i + 1 for i in self.target_layer_ids]}
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
-        self.logits_processor = logits_processor
-        self.controller = block_size_controller or FixedBlockSize(drafter.config.block_size)
+        self.processed = bool(self.do_sample or logits_processor)
         self.features_length = 0  # tokens whose target features were read (given to the drafter or pending)
-        self.pending: torch.Tensor | None = None  # (1, P, n*Ht) features not yet given to the drafter
         self.num_drafts = 0  # drafts offered in the current round
         self.in_round = False  # the last get_candidates call was a round (not the prefill)
         self.stats = AcceptanceStats(block_size=drafter.config.block_size)
@@ -74,22 +76,19 @@ class DFlashCandidateGenerator(CandidateGenerator):
         # token's own features do not exist yet). Rounds without a drafter pass leave theirs pending.
         rows = input_ids.shape[1] - 1 - self.features_length
         features = target_layer_features(model_outputs.hidden_states, self.target_layer_ids, rows)
-        self.pending = features if self.pending is None else torch.cat([self.pending, features], 1)
+        self.chain.block.add_context(features, input_ids.new_ones(features.shape[:2]))
         self.features_length = input_ids.shape[1] - 1
 
-        block_length = self.controller.choose([0])
+        block_length = self.chain.controller.choose([0])
         self.stats.block_sizes.append(block_length)
-        self.num_drafts = max(0, min(block_length - 1, self.max_length - input_ids.shape[1] - 1))
+        proposal = self.chain.draft_block(Rows(input_ids, self.max_length, 0, False), block_length, [input_ids[0]])
+        self.num_drafts = proposal.slots
         if not self.num_drafts:
             return input_ids, None
-        context, self.pending = self.pending, None
-        context_mask = input_ids.new_ones(context.shape[:2])
-        hidden = self.block.draft_hidden(input_ids[:, -1], context, context_mask, block_length)
-        processed = bool(self.do_sample or self.logits_processor)
-        drafts = self.block.draft(hidden[:, : self.num_drafts], False, self.logits_processor, 1, [0], [input_ids[0]])
+        drafts = proposal.drafts
         if self.do_sample:  # Transformers' loop samples its candidates itself from the logits it is given
             drafts.tokens = torch.multinomial(drafts.scores[0].softmax(-1), 1).view(1, -1)
-        return torch.cat([input_ids, drafts.tokens], dim=-1), drafts.scores if processed else None
+        return torch.cat([input_ids, drafts.tokens], dim=-1), drafts.scores if self.processed else None
 
     @property
     def num_drafting_tokens(self) -> int:
@@ -102,4 +101,4 @@ class DFlashCandidateGenerator(CandidateGenerator):
         if not self.in_round:
             return
         self.stats.acceptance_lengths.append(num_matches + 1)
-        self.controller.observe([0], self.num_drafts, torch.tensor([num_matches]))
+        self.chain.controller.observe([0], self.num_drafts, torch.tensor([num_matches]))

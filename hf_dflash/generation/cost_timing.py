@@ -19,17 +19,19 @@ from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
-from transformers.cache_utils import DFlashCache, DynamicCache
+from transformers.cache_utils import DynamicCache
 
 from ..caches import cache_keyword
 from ..json_files import write_json_atomic
 from ..modeling_dflash import DFlashDraftModel
+from ..target_features import target_layer_features
 from .cost_model import CostModel, measured_block_lengths, measured_verification_lengths
+from .drafting import BlockDrafter
 from .tree import tree_attention_bias
 
 logger = logging.getLogger(__name__)
 
-COST_MODEL_FORMAT = 1  # verification_* fields are optional: files without them stay valid
+COST_MODEL_FORMAT = 2  # 2: rounds timed with the served drafter pass; verification_* fields are optional
 # Verification passes are timed after this many context tokens (part of the cache key). A served round
 # verifies after the prompt and the answer so far, and a tree's attention grows with nodes x context:
 # timed after 64 tokens, 48-node trees looked as cheap as 24-node ones and "auto" chose them, where served
@@ -68,43 +70,38 @@ def measure_round_seconds(
     drafter: DFlashDraftModel,
     rows: int,
     block_lengths: Sequence[int],
-    context_length: int = 32,
+    context_length: int = VERIFICATION_CONTEXT,
     repeats: int = 5,
 ) -> tuple[float, ...]:
     """Seconds of one round per block length k (`time_in_turn`), timed with the real models.
 
-    A round = drafter pass over k new context features and a k-token block, its LM head on the k-1 draft
-    slots (none when k = 1), then a target forward over k tokens after a `context_length`-token prompt,
-    with the hidden states the drafter needs. Both caches are cropped back after each pass. Uses no random
+    A round = the served drafter pass (`BlockDrafter`, its cache holding a `context_length`-token prompt's
+    features) over k new context features and a k-token block, its greedy LM head on the k-1 draft slots (none
+    when k = 1), then a target forward over k tokens after that prompt, with the hidden states the drafter
+    needs. Both caches are rolled back after each pass. Uses no random
     numbers, so measuring never changes what `generate` samples.
     """
     device = target.device
     layer_ids = list(drafter.config.target_layer_ids)
     hidden_request = [i + 1 for i in layer_ids]
-    embedding, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    vocab = target.get_input_embeddings().num_embeddings
     context_length = max(context_length, max(block_lengths))
-    token_ids = (torch.arange(rows * context_length, device=device) * 7919 % embedding.num_embeddings).view(rows, -1)
+    token_ids = (torch.arange(rows * context_length, device=device) * 7919 % vocab).view(rows, -1)
     cache_name = cache_keyword(target)
     cache = DynamicCache(config=target.config)
     outputs = target(input_ids=token_ids, use_cache=True, output_hidden_states=hidden_request, **{cache_name: cache})
-    features = torch.cat([outputs.hidden_states[i + 1] for i in layer_ids], -1)  # (rows, context, n*Ht)
-    draft_cache = DFlashCache(config=drafter.config)
+    features = target_layer_features(outputs.hidden_states, layer_ids, context_length)  # (rows, context, n*Ht)
+    valid = token_ids.new_ones(rows, context_length)
+    # The served drafter pass (`BlockDrafter`), after the prompt's features are in its cache.
+    block = BlockDrafter(drafter, target)
+    block.add_context(features, valid)
+    block.draft_hidden(token_ids[:, -1], 1)
 
     def one_round(k: int) -> None:
         if k > 1:
-            past = draft_cache.get_seq_length()
-            block = token_ids[:, :k].clone()
-            block[:, 1:] = drafter.config.mask_token_id
-            draft_cache.set_previous_accepted_tokens(k)
-            positions = torch.arange(past, past + 2 * k, device=device).expand(rows, -1)
-            hidden = drafter(
-                noise_embeds=embedding(block),
-                context_hidden_states=features[:, :k],
-                position_ids=positions,
-                cache=draft_cache,
-            ).last_hidden_state
-            drafter.draft_logits(hidden[:, 1:], lm_head).max(-1)
-            draft_cache.crop(-2 * k)
+            block.add_context(features[:, :k], valid[:, :k])
+            block.draft(block.draft_hidden(token_ids[:, -1], k), do_sample=False)
+            block.rewind(k)
         target(input_ids=token_ids[:, :k], use_cache=True, output_hidden_states=hidden_request, **{cache_name: cache})
         cache.crop(-k)
 
@@ -180,7 +177,7 @@ def cost_model_key(target: PreTrainedModel, drafter: DFlashDraftModel) -> dict:
 def cost_model_path(key: dict, cache_dir: str | Path | None = None) -> Path:
     """`<cache_dir or hf_dflash cache>/cost_models/<hash of key>.json`."""
     if cache_dir is None:
-        from ..models import default_cache_dir
+        from ..targets import default_cache_dir
 
         cache_dir = default_cache_dir()
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]

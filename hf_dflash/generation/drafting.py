@@ -1,9 +1,10 @@
 """The drafter side of DFlash decoding: one drafter pass drafts a block for every row.
 
 `BlockDrafter` keeps the drafter's context cache (the fused target features of the committed tokens,
-as keys/values of every draft layer) and a (B, T) validity mask of its slots: rows of a batch accept
-different numbers of drafts, so their context grows by different amounts each round, and the slots a
-row did not fill are holes, masked exactly like left padding. With one row every slot is valid.
+as keys/values of every draft layer), a (B, T) validity mask of its slots, and the features the target
+produced since the last pass (pending, read by the next one). Rows of a batch accept different numbers of
+drafts, so their context grows by different amounts each round, and the slots a row did not fill are
+holes, masked exactly like left padding. With one row every slot is valid.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from transformers.cache_utils import DynamicCache
 
 from ..caches import compact_cache, needs_compaction
 from ..modeling_dflash import DFlashDraftModel
+from ..modeling_dflash.custom_generate import drafter_pass
 from .verification import greedy_tokens, process_draft_rows
 
 
@@ -35,37 +37,42 @@ class BlockDrafter:
         self.drafter = drafter
         self.embedding = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
-        self.mask_token_id = drafter.config.mask_token_id
         self.cache = DynamicCache(config=drafter.config)
         self.mask: torch.Tensor | None = None  # (B, T) validity of the cached context slots
+        self.pending: torch.Tensor | None = None  # (B, C, n*Ht) target features not read yet
+        self.pending_mask: torch.Tensor | None = None  # (B, C) their validity
 
-    def draft_hidden(
-        self, bonus: torch.LongTensor, context: torch.Tensor, context_mask: torch.Tensor, block_length: int
-    ) -> torch.Tensor:
-        """One drafter pass over `[bonus, MASK x (block_length - 1)]` after the new context.
+    def add_context(self, features: torch.Tensor, valid: torch.Tensor) -> None:
+        """Target features (B, C, n*Ht) of newly kept cache slots, valid where `valid` (B, C) is 1: the next
+        pass reads them."""
+        if self.pending is None:
+            self.pending, self.pending_mask = features, valid
+        else:
+            self.pending = torch.cat([self.pending, features], 1)
+            self.pending_mask = torch.cat([self.pending_mask, valid], 1)
 
-        bonus (B,) each row's last committed token; context (B, C, n*Ht) target features of the tokens
-        committed since the last pass, valid where context_mask (B, C) is 1. Each row's positions count
-        its valid slots only. Returns the (B, block_length - 1, H) outputs of the mask slots.
+    def draft_hidden(self, bonus: torch.LongTensor, block_length: int) -> torch.Tensor:
+        """One drafter pass over `[bonus, MASK x (block_length - 1)]` after the pending context.
+
+        bonus (B,) each row's last committed token. Each row's positions count its valid slots only.
+        Returns the (B, block_length - 1, H) outputs of the mask slots.
         """
-        batch, device = bonus.shape[0], bonus.device
+        context, context_mask = self.pending, self.pending_mask
+        self.pending = self.pending_mask = None  # the drafter reads it now
         past_mask = self.mask if self.mask is not None else context_mask[:, :0]
         seen = past_mask.sum(1, keepdim=True)  # (B, 1) tokens whose features are already cached
         context_positions = (seen + context_mask.cumsum(1) - 1).clamp_min(0)
         bonus_position = seen + context_mask.sum(1, keepdim=True)  # = tokens before the bonus
-        block_positions = bonus_position + torch.arange(block_length, device=device)
-        block_ids = torch.full((batch, block_length), self.mask_token_id, dtype=bonus.dtype, device=device)
-        block_ids[:, 0] = bonus
+        block_positions = bonus_position + torch.arange(block_length, device=bonus.device)
         self.mask = torch.cat([past_mask, context_mask], 1)
-        hidden = self.drafter(
-            noise_embeds=self.embedding(block_ids),
-            context_hidden_states=context,
-            position_ids=torch.cat([context_positions, block_positions], 1),
-            attention_mask=torch.cat([self.mask, self.mask.new_ones(batch, block_length)], 1),
-            cache=self.cache,
-        ).last_hidden_state
-        self.cache.crop(-block_length)  # keep the context only; the next block replaces this one
-        return hidden[:, 1:]
+        positions = torch.cat([context_positions, block_positions], 1)
+        mask = torch.cat([self.mask, self.mask.new_ones(bonus.shape[0], block_length)], 1)
+        return drafter_pass(self.drafter, self.embedding, self.cache, bonus, context, positions, block_length, mask)
+
+    def rewind(self, slots: int) -> None:
+        """Forget the last `slots` context slots (the cost timing repeats one pass over the same context)."""
+        self.cache.crop(-slots)
+        self.mask = self.mask[:, :-slots]
 
     def draft(
         self,
@@ -106,6 +113,8 @@ class BlockDrafter:
 
     def prune(self, index: torch.LongTensor | None) -> None:
         """Keep the rows `index` (B',) (None: all) and compact the cache when its holes exceed the bound."""
+        if index is not None and self.pending is not None:
+            self.pending, self.pending_mask = self.pending[index], self.pending_mask[index]
         if self.mask is None:
             return
         if index is not None:

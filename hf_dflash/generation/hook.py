@@ -177,7 +177,7 @@ def install_generate_hook(version: str | None = None) -> None:
 
 def install_refusal(reason: str) -> None:
     """Wrap `GenerationMixin.generate` so that a DFlash `assistant_model` (without `speculation_type="dflash"`,
-    Transformers' own loop) raises a RuntimeError saying `reason` and what to use instead."""
+    Transformers' own loop) raises a ValueError saying `reason` and what to use instead."""
     original_generate = GenerationMixin.generate
 
     @functools.wraps(original_generate)
@@ -185,7 +185,7 @@ def install_refusal(reason: str) -> None:
         config = kwargs.get("generation_config")
         speculation = kwargs.get("speculation_type", getattr(config, "speculation_type", None))
         if isinstance(kwargs.get("assistant_model"), DFlashDraftModel) and speculation != "dflash":
-            raise RuntimeError(
+            raise ValueError(
                 f"hf_dflash cannot route generate(assistant_model=<DFlash drafter>): {reason}. Use "
                 "generate(..., custom_generate=<the drafter's folder or Hub repo>, trust_remote_code=True), which "
                 "runs DFlash without hf_dflash's hook, or install a tested release: "

@@ -1,11 +1,6 @@
-"""Hybrid drafting: a DFlash block and a prompt-lookup (n-gram) continuation verified as one draft tree.
-
-With `prompt_lookup_num_tokens` beside a DFlash assistant (batch size 1), each round drafts the block and
-looks up an n-gram continuation of the committed tokens; the two branches are merged into a trie
-(`tree.merge_branches`: a shared prefix is verified once) and verified in ONE target forward (greedy), or
-the better branch is chosen before verification (sampling, or a target that cannot take a tree mask).
-How many drafts each branch offers is the `TreeBudget`'s choice, from running acceptance estimates and
-(adaptive policy) the measured cost of the round.
+"""The budget of hybrid drafting (`strategies/hybrid.py`): how many drafts the DFlash block and the n-gram
+continuation each offer per round, from running acceptance estimates and (adaptive policy) the measured cost
+of the round.
 """
 
 from __future__ import annotations
@@ -14,25 +9,20 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import PreTrainedModel
-from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, StaticCache, StaticLayer
 
 from ..modeling_dflash import DFlashDraftModel
 from .adaptive import (
-    POLICY_ATTRIBUTE,
     AdaptiveBlockSize,
     BlockSizeController,
     acceptance_probabilities,
     block_size_controller,
+    block_size_policy,
     expected_tokens,
     update_acceptance_counts,
 )
 from .cost_model import CostModel
 from .cost_timing import measured_cost_model
-from .drafting import Drafts
-from .ngram import DEFAULT_MAX_NGRAM_SIZE, MATCH_BUCKETS, PromptLookup, match_bucket
-from .stats import AcceptanceStats
-from .tree import DraftTree, accepted_path, merge_branches, tree_depths
-from .verification import accepted_lengths
+from .ngram import MATCH_BUCKETS, match_bucket
 
 # The prior of the block's gain beside n-gram drafts, per match bucket (1, 2-3, >= 4 tokens), as a share of
 # `AdaptiveBlockSize.prior`: the longer the match, the likelier the copy is right and the block redundant.
@@ -41,7 +31,7 @@ from .verification import accepted_lengths
 BESIDE_NGRAM_PRIOR_SCALES = (1.0, 0.5, 0.25)
 
 
-def best_tree_size(
+def best_split(
     expected_block: torch.Tensor, ngram_gain: torch.Tensor, seconds: torch.Tensor, one_branch: bool
 ) -> tuple[int, int]:
     """(k, m) = argmax (E_block(k) + G(m)) / seconds(k, m), the smallest k, then m, on ties.
@@ -103,7 +93,7 @@ class TreeBudget:
     """Chooses, each round of one hybrid `generate` call, the block length k and the n-gram drafts m.
 
     Both branches keep running acceptance estimates (as the adaptive block size does). With a cost model
-    (adaptive policy), (k, m) maximises expected committed tokens per second (`best_tree_size`): where a
+    (adaptive policy), (k, m) maximises expected committed tokens per second (`best_split`): where a
     bigger tree costs more than its expected extra tokens are worth, the tree stays small. With a fixed k
     or a schedule (`block`), the tree holds that block and every n-gram draft found; when one branch
     must be chosen, the one with more expected tokens.
@@ -168,7 +158,7 @@ class TreeBudget:
         gain = ngram_estimate.expected_tokens()[: ngram_found + 1] - 1
         if self.block is None:
             seconds = self.seconds[: len(expected_block), : ngram_found + 1]
-            return best_tree_size(expected_block, gain, seconds, self.one_branch)
+            return best_split(expected_block, gain, seconds, self.one_branch)
         if not block_allowed:
             return 1, ngram_found
         k = self.block.choose([0])
@@ -201,14 +191,12 @@ def tree_budget(
     one_branch: bool,
     verification_width: int | None = None,
 ) -> TreeBudget:
-    """The budget of one hybrid `generate` call from `drafter.block_size_policy`: None or "adaptive" (the
-    default here: the cost model measured once per pair and machine, verification passes included), an
+    """The budget of one hybrid `generate` call from the drafter's block size policy (`block_size_policy`): unset or
+    "adaptive" (the default here: the cost model measured once per pair and machine, verification passes included), an
     `AdaptiveBlockSize`, a fixed k or a schedule (tree = that block + every n-gram draft found).
     `verification_width`: every round verifies that many tokens (compiled verification pads to one shape),
     so the budget weighs only the drafter's pass (`CostModel.at_fixed_verification`)."""
-    policy = getattr(drafter, POLICY_ATTRIBUTE, None)
-    if policy is None or (isinstance(policy, str) and policy == "adaptive"):
-        policy = AdaptiveBlockSize()
+    policy = block_size_policy(drafter, unset="adaptive")
     max_block_size = drafter.config.block_size
     if isinstance(policy, AdaptiveBlockSize):
         cost_model = policy.cost_model
@@ -220,97 +208,3 @@ def tree_budget(
         return TreeBudget(max_block_size, max_ngram_tokens, one_branch, policy, cost_model=fixed, measured=cost_model)
     block = block_size_controller(drafter, target, batch_size=1)  # a fixed k or a schedule; bad ones raise
     return TreeBudget(max_block_size, max_ngram_tokens, one_branch, AdaptiveBlockSize(), block=block)
-
-
-def verifies_trees(model: PreTrainedModel, cache, max_length: int, max_nodes: int) -> bool:
-    """Whether the target can verify a draft tree in one forward: an attention that takes our 4D mask
-    (eager, SDPA) and a DynamicCache whose layers are full attention, or sliding windows that generation
-    cannot reach (the tree mask does not encode a window), or a StaticCache of full-attention layers with
-    room for a whole tree after `max_length` tokens (the mask then spans all its slots)."""
-    if model.config._attn_implementation not in ("eager", "sdpa") or type(cache) not in (DynamicCache, StaticCache):
-        return False
-    reachable = max_length + max_nodes
-    for layer in cache.layers:
-        if type(layer) is DynamicSlidingWindowLayer and layer.sliding_window <= reachable:
-            return False
-        if type(layer) is StaticLayer and layer.max_cache_len < reachable:
-            return False
-        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer):
-            return False
-    return True
-
-
-class HybridDrafting:
-    """The n-gram branch of a hybrid round and the tree that joins it to the block (batch size 1).
-
-    Each round: `plan` looks up the n-gram continuation and asks the budget for (k, m); the loop drafts
-    the block (k > 1); `candidates` merges the branches into the round's draft; after verification
-    `observe` records the round and teaches the budget which branch was right.
-    """
-
-    def __init__(
-        self,
-        drafter: DFlashDraftModel,
-        target: PreTrainedModel,
-        generation_config,
-        cache,
-        verification_width: int | None = None,
-    ):
-        max_ngram_size = generation_config.max_matching_ngram_size
-        self.prompt_lookup = PromptLookup(
-            generation_config.prompt_lookup_num_tokens,
-            DEFAULT_MAX_NGRAM_SIZE if max_ngram_size is None else max_ngram_size,
-        )
-        self.do_sample = bool(generation_config.do_sample)
-        self.max_length = generation_config.max_length
-        max_nodes = drafter.config.block_size + self.prompt_lookup.num_tokens
-        one_branch = self.do_sample or not verifies_trees(target, cache, self.max_length, max_nodes)
-        self.budget = tree_budget(drafter, target, self.prompt_lookup.num_tokens, one_branch, verification_width)
-        self.vocab_size = target.get_output_embeddings().weight.shape[0]
-        self.ngram_found: torch.LongTensor | None = None  # the n-gram continuation found this round
-        self.tree: DraftTree | None = None  # the round's draft as a tree (a chain unless both branches drafted)
-        self.block_tree: DraftTree | None = None  # the block's part of it: its chain, or the drafter's tree
-
-    def plan(self, sequence: torch.LongTensor, block_allowed: bool = True) -> tuple[int, torch.LongTensor]:
-        """The block length k and the n-gram drafts (m,) of the round after the committed `sequence` (L,);
-        k = 1 when the block is not allowed (the prefill: the drafter has no context features yet)."""
-        self.ngram_found, match_length = self.prompt_lookup.draft(sequence, self.max_length - len(sequence) - 1)
-        block_length, num_ngram = self.budget.choose(len(self.ngram_found), block_allowed, match_length)
-        return block_length, self.ngram_found[:num_ngram]
-
-    def candidates(
-        self, root: int, block: Drafts, ngram: torch.LongTensor, block_tree: DraftTree | None = None
-    ) -> Drafts:
-        """The round's draft from the block's drafts (1, d) and the n-gram drafts (m,): the block alone, the
-        n-gram chain alone (with one-hot draft probabilities when sampling: rejection sampling then accepts
-        a draft with probability p(draft)), or both as `self.tree`'s nodes 1..N-1 (greedy only). With a
-        drafter tree (`block_tree`, its nodes 1..N-1 the block's drafts) the n-gram chain is grafted onto it."""
-        self.block_tree = block_tree if block_tree is not None else merge_branches(root, [block.tokens[0]])
-        self.tree = merge_branches(root, [ngram], base=self.block_tree)
-        if not len(ngram):
-            return block
-        if not block.tokens.shape[1]:
-            one_hot = torch.nn.functional.one_hot(ngram, self.vocab_size).float()[None] if self.do_sample else None
-            return Drafts(ngram[None], one_hot)
-        if self.do_sample:
-            raise RuntimeError("Sampling verifies one branch: the tree budget must not choose both.")
-        return Drafts(self.tree.tokens[None, 1:])
-
-    def observe(self, committed: torch.LongTensor, stats: AcceptanceStats) -> None:
-        """committed (c,): the round's committed tokens, its accepted drafts first (c - 1 of them)."""
-        num_matches = len(committed) - 1
-        stats.tree_sizes.append(self.tree.num_nodes)
-        stats.block_tokens.append(len(accepted_path(self.block_tree, committed[:num_matches])) - 1)
-        stats.ngram_tokens.append(agreement(self.tree.tokens[list(self.tree.branches[-1])], committed[:num_matches]))
-        # Each branch's drafts against the committed tokens, bonus included: for the n-gram branch also
-        # the drafts found but left out of the tree (whether the target would have accepted them).
-        block_depth = int(tree_depths(self.block_tree.parents).max())
-        block_compared, ngram_compared = min(block_depth, len(committed)), min(len(self.ngram_found), len(committed))
-        block_agreed = len(accepted_path(self.block_tree, committed)) - 1
-        self.budget.observe(block_compared, block_agreed, ngram_compared, agreement(self.ngram_found, committed))
-
-
-def agreement(drafts: torch.LongTensor, committed: torch.LongTensor) -> int:
-    """Length of the common prefix of drafts (d,) and committed (c,): the drafts the target accepted."""
-    length = min(len(drafts), len(committed))
-    return int(accepted_lengths(drafts[None, :length], committed[None, :length])[0])

@@ -3,12 +3,16 @@
 from transformers import PreTrainedModel
 
 from ..modeling_dflash import DFlashDraftModel
+from ..user_errors import UserTypeError
 
 
 def check_pairing(target: PreTrainedModel, drafter: DFlashDraftModel) -> None:
-    """Raise `ValueError`/`TypeError` if `drafter` was not built for `target` or lives elsewhere."""
+    """Raise `ValueError`/`UserTypeError` if `drafter` was not built for `target` or lives elsewhere."""
     if not isinstance(drafter, DFlashDraftModel):
-        raise TypeError(f"Expected a DFlashDraftModel as assistant, got {type(drafter).__name__}.")
+        raise UserTypeError(
+            f"Expected a DFlashDraftModel as assistant, got {type(drafter).__name__}: load the drafter with "
+            "hf_dflash.load_drafter(...) or AutoModel.from_pretrained(..., trust_remote_code=True)."
+        )
     config, text = drafter.config, target.config.get_text_config()
     embedding = target.get_input_embeddings()
     lm_head = target.get_output_embeddings()

@@ -24,6 +24,12 @@ class AcceptanceStats:
     ngram_tokens: list[int] = field(default_factory=list)
     first_round_in_prefill: bool = False  # hybrid: the prefill verified n-gram drafts (round 0 is the prefill)
 
+    def record_round(self, block_length: int, committed: list[int], in_prefill: bool) -> None:
+        """A verification round of block length k whose rows committed these tokens."""
+        self.block_sizes.append(block_length)
+        self.acceptance_lengths.extend(committed)
+        self.first_round_in_prefill |= in_prefill
+
     @property
     def mean_acceptance_length(self) -> float:
         """τ averaged over verification rounds (0.0 when no round ran)."""

@@ -16,12 +16,13 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from transformers import LogitsProcessorList
 from transformers.cache_utils import Cache
 
-from .verification import is_position_independent
+from .verification import is_position_independent, process_draft_logits
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,15 @@ class DraftTree:
     def num_nodes(self) -> int:
         return len(self.parents)
 
+    @cached_property
+    def children(self) -> list[dict[int, int]]:
+        """children[node]: {token: child node} (a trie: one child per token)."""
+        children: list[dict[int, int]] = [{} for _ in range(self.num_nodes)]
+        values = self.tokens.tolist()
+        for node in range(1, self.num_nodes):
+            children[self.parents[node]][values[node]] = node
+        return children
+
     @property
     def is_chain(self) -> bool:
         return all(parent == node - 1 for node, parent in enumerate(self.parents))
@@ -59,9 +69,7 @@ def merge_branches(root: int, branches: Sequence[torch.LongTensor], base: DraftT
     if base is not None:
         device = base.tokens.device
         values, parents, layout = base.tokens.tolist(), list(base.parents), list(base.branches)
-        children = [{} for _ in values]
-        for node in range(1, len(values)):
-            children[parents[node]][values[node]] = node
+        children = [dict(nodes) for nodes in base.children]
     for branch in branches:
         node, nodes = 0, []
         for token in branch.tolist():
@@ -114,10 +122,7 @@ def best_first_tree(
 def accepted_path(tree: DraftTree, continuation: Sequence[int]) -> list[int]:
     """The nodes of the longest prefix of `continuation` (the tokens the target commits after the root, in
     order) that the tree holds, root first: what greedy verification of this tree accepts."""
-    children: list[dict[int, int]] = [{} for _ in range(tree.num_nodes)]
-    values = tree.tokens.tolist()
-    for node in range(1, tree.num_nodes):
-        children[tree.parents[node]][values[node]] = node
+    children = tree.children
     path = [0]
     for token in continuation:
         child = children[path[-1]].get(int(token))
@@ -183,10 +188,7 @@ def greedy_tree_path(tree: DraftTree, target_tokens: torch.LongTensor) -> list[i
     """The longest accepted path, root first: from the root, step to the child whose token is the target's
     greedy token after the current node, while there is one. target_tokens (N,): the target's choice after
     each node. The committed tokens are tokens[path[1:]] followed by target_tokens[path[-1]]."""
-    children: list[dict[int, int]] = [{} for _ in range(tree.num_nodes)]
-    values = tree.tokens.tolist()
-    for node in range(1, tree.num_nodes):
-        children[tree.parents[node]][values[node]] = node
+    children = tree.children
     choices = target_tokens.tolist()
     path = [0]
     while (child := children[path[-1]].get(choices[path[-1]])) is not None:
@@ -201,10 +203,7 @@ def sampled_tree_path(tree: DraftTree, target_probs: torch.Tensor) -> tuple[list
     output is distributed exactly as plain sampling's; with deterministic candidates (a tree of the top
     continuations, an n-gram copy) this is also the most a node's children can be accepted (their target
     mass). Returns the path (root first) and the committed token after its last node (1,)."""
-    children: list[dict[int, int]] = [{} for _ in range(tree.num_nodes)]
-    values = tree.tokens.tolist()
-    for node in range(1, tree.num_nodes):
-        children[tree.parents[node]][values[node]] = node
+    children = tree.children
     path = [0]
     while True:
         token = torch.multinomial(target_probs[path[-1]], 1)
@@ -231,15 +230,11 @@ def process_tree_logits(
     sequence (1, L) is committed and ends with the root; logits (1, N, V) are the scores after each node.
     Returns float32 (1, N, V); position-independent processors run once over all nodes.
     """
+    if not logits_processor or is_position_independent(logits_processor):
+        return process_draft_logits(logits_processor, sequence, logits)
     logits = logits.float()
-    if not logits_processor:
-        return logits
-    batch, length, vocab = logits.shape
-    if is_position_independent(logits_processor):
-        flat = logits_processor(sequence.repeat_interleave(length, 0), logits.reshape(batch * length, vocab))
-        return flat.view(batch, length, vocab)
     return torch.stack(
-        [logits_processor(node_prefix(sequence, tree, node), logits[:, node]) for node in range(length)], dim=1
+        [logits_processor(node_prefix(sequence, tree, node), logits[:, node]) for node in range(logits.shape[1])], 1
     )
 
 

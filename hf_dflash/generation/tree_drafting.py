@@ -18,6 +18,7 @@ by the acceptance seen so far) against the measured cost of verifying one more n
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,9 @@ TREE_ATTRIBUTE = "draft_tree"  # the drafter attribute `generate` reads
 # here, on the drafter: later compiled calls reuse it, so one graph serves them all (delete it to choose again).
 COMPILED_SIZE_ATTRIBUTE = "compiled_draft_tree"
 AUTO_MAX_NODES = 64  # the largest tree "auto" considers
+# The largest tree any setting verifies: its forward reads every node and its mask has nodes x (context + nodes)
+# entries; trees past ~64 nodes already cost more than they win on the machines measured (docs/results.md).
+MAX_TREE_NODES = 512
 DEFAULT_TOP_K = 16  # candidates per slot (DFlash2: the target's token is in the drafter's top-16 99.5% of the time)
 CALIBRATION_DECAY = 0.9  # weight kept by past rounds in the calibration of the drafter's probabilities
 
@@ -72,6 +76,11 @@ class TreeDrafting:
     def __post_init__(self):
         if self.max_nodes < 2 or self.top_k < 1:
             raise ValueError(f"A draft tree needs max_nodes >= 2 and top_k >= 1, got {self.max_nodes}, {self.top_k}.")
+        if self.max_nodes > MAX_TREE_NODES:
+            raise ValueError(
+                f"TreeDrafting(max_nodes={self.max_nodes}): a draft tree verifies at most {MAX_TREE_NODES} nodes in one "
+                "target forward; choose fewer (or draft_tree='auto')."
+            )
         if self.one_size and self.seconds is None:
             raise ValueError("TreeDrafting(one_size=True) chooses its size on a cost curve: give seconds=.")
 
@@ -137,11 +146,30 @@ def tree_drafting(
         cost = measured_cost_model(target, drafter, (1,), verification=True, max_verified_tokens=AUTO_MAX_NODES)
         return auto_tree_drafting(cost, drafter.config.block_size, one_size=fixed_verification)
     if isinstance(setting, int) and not isinstance(setting, bool) and setting >= 2:
-        return TreeDrafting(setting)
+        return TreeDrafting(bounded_tree_size(setting, drafter.config.block_size))
     raise ValueError(
         f"drafter.draft_tree = {setting!r} is not a tree setting. Use None (chains), 'auto' (sized by the measured "
         "cost of verification), an int N >= 2 (trees of up to N nodes, root included), or a TreeDrafting(...)."
     )
+
+
+def bounded_tree_size(nodes: int, block_size: int, top_k: int = DEFAULT_TOP_K) -> int:
+    """`nodes`, or the most a tree can hold when that is fewer (with a warning, before anything is allocated): the
+    tree of every top-k continuation of the block's block_size - 1 slots, and `MAX_TREE_NODES`."""
+    reachable, level = 1, 1
+    for _ in range(block_size - 1):
+        level *= top_k
+        reachable += level
+        if reachable >= MAX_TREE_NODES:
+            break
+    bound = min(reachable, MAX_TREE_NODES)
+    if nodes > bound:
+        warnings.warn(
+            f"drafter.draft_tree = {nodes}: a tree of this drafter (block {block_size}, {top_k} candidates per slot) "
+            f"verified in one forward holds at most {bound} nodes; drafting trees of {bound}.",
+            stacklevel=4,
+        )
+    return min(nodes, bound)
 
 
 def remember_compiled_size(drafter: DFlashDraftModel, trees: TreeDrafting) -> None:

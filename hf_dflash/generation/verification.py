@@ -19,7 +19,7 @@ from transformers.generation.logits_process import (
 from ..modeling_dflash.custom_generate import accepted_lengths, speculative_sample  # noqa: F401  (re-exported)
 
 # Processors whose output depends only on the scores, never on input_ids (checked against
-# Transformers 5.23-5.24): they can process every position of a block in one vectorised call.
+# Transformers 5.23-5.25): they can process every position of a block in one vectorised call.
 POSITION_INDEPENDENT_PROCESSORS = (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -45,14 +45,10 @@ def process_block_logits(
     Returns float32 (B, T, V). Position-independent processors run once over all positions;
     others (repetition penalty, min length, ...) run per position with the right prefix.
     """
+    if not logits_processor or is_position_independent(logits_processor):
+        return process_draft_logits(logits_processor, sequence[:, :start], logits)
     logits = logits.float()
-    if not logits_processor:
-        return logits
-    batch, length, vocab = logits.shape
-    if is_position_independent(logits_processor):
-        flat = logits_processor(sequence[:, :start].repeat_interleave(length, 0), logits.reshape(batch * length, vocab))
-        return flat.view(batch, length, vocab)
-    return torch.stack([logits_processor(sequence[:, : start + t], logits[:, t]) for t in range(length)], dim=1)
+    return torch.stack([logits_processor(sequence[:, : start + t], logits[:, t]) for t in range(logits.shape[1])], 1)
 
 
 def process_draft_logits(

@@ -92,7 +92,7 @@ def _training_context(record: dict) -> dict:
 
 
 def attention_description(config: DFlashConfig) -> str:
-    """What the drafter's layers attend to, in the words engines differ on (SPEC §1): full-attention
+    """What the drafter's layers attend to, in the words engines differ on: full-attention
     layers are bidirectional inside the block and see all context; sliding-window layers are causal
     inside the block (SpecForge) or bidirectional (`sliding_window_non_causal`), windowed on the context."""
     full = config.layer_types.count("full_attention")

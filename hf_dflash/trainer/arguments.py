@@ -14,7 +14,7 @@ FEATURE_MODES = ("online", "offline")
 
 @dataclass
 class DFlashTrainingArguments(TrainingArguments):
-    """Paper defaults (SPEC §4): AdamW, lr 6e-4, cosine schedule, 4% warm-up, clip 1.0, 6 epochs."""
+    """The paper's defaults: AdamW, lr 6e-4, cosine schedule, 4% warm-up, clip 1.0, 6 epochs."""
 
     block_size: int = field(
         default=DFlashConfig.block_size,  # the drafter config's default (the paper's 16): one number for both

@@ -1,4 +1,4 @@
-"""The packed training forward: every block of a batch through the drafter at once (SPEC §4).
+"""The packed training forward: every block of a batch through the drafter at once.
 
 Used by the trainer's loss and by the served-τ estimate (`consistency.py`), so both read the same
 drafter outputs.

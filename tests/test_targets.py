@@ -1,4 +1,4 @@
-"""`hf_dflash.models.load_target`: the real SmolLM2 target, its safetensors cache and its errors."""
+"""`hf_dflash.targets.load_target`: the real SmolLM2 target, its safetensors cache and its errors."""
 
 import importlib.util
 import json
@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from hf_dflash import models
-from hf_dflash.models import KNOWN_TARGETS, MARKER_FILE, MissingTargetPackageError, load_target
+from hf_dflash import targets
+from hf_dflash.targets import KNOWN_TARGETS, MARKER_FILE, MissingTargetPackageError, load_target
 from tests.conftest import make_target
 
 NAME = "smollm2-135m-instruct"
@@ -48,17 +48,17 @@ def test_unknown_dtype(tmp_path):
 
 
 def test_dtype_names():
-    assert models.resolve_dtype("bfloat16") is torch.bfloat16
-    assert models.resolve_dtype("torch.float16") is torch.float16
-    assert models.resolve_dtype("bf16") is torch.bfloat16
-    assert models.resolve_dtype(torch.float32) is torch.float32
+    assert targets.resolve_dtype("bfloat16") is torch.bfloat16
+    assert targets.resolve_dtype("torch.float16") is torch.float16
+    assert targets.resolve_dtype("bf16") is torch.bfloat16
+    assert targets.resolve_dtype(torch.float32) is torch.float32
 
 
 def test_cache_dir_from_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv(models.CACHE_ENV_VAR, str(tmp_path))
-    assert models.default_cache_dir() == tmp_path
-    monkeypatch.delenv(models.CACHE_ENV_VAR)
-    assert models.default_cache_dir() == Path.home() / ".cache" / "hf_dflash"
+    monkeypatch.setenv(targets.CACHE_ENV_VAR, str(tmp_path))
+    assert targets.default_cache_dir() == tmp_path
+    monkeypatch.delenv(targets.CACHE_ENV_VAR)
+    assert targets.default_cache_dir() == Path.home() / ".cache" / "hf_dflash"
 
 
 # --- atomic conversion, with a tiny stand-in for the GGUF (no real model needed) ---
@@ -81,10 +81,12 @@ def fake_gguf(monkeypatch):
             return tiny
         return LlamaForCausalLM.from_pretrained(folder, dtype=dtype)
 
-    monkeypatch.setattr(models, "locate_gguf", lambda spec: Path("/nonexistent") / spec.gguf_file)
-    monkeypatch.setattr(models, "file_sha256", lambda path: SPEC.sha256)
-    monkeypatch.setattr(models, "AutoModelForCausalLM", types.SimpleNamespace(from_pretrained=model_from_pretrained))
-    monkeypatch.setattr(models, "AutoTokenizer", types.SimpleNamespace(from_pretrained=lambda *a, **k: FakeTokenizer()))
+    monkeypatch.setattr(targets, "locate_gguf", lambda spec: Path("/nonexistent") / spec.gguf_file)
+    monkeypatch.setattr(targets, "file_sha256", lambda path: SPEC.sha256)
+    monkeypatch.setattr(targets, "AutoModelForCausalLM", types.SimpleNamespace(from_pretrained=model_from_pretrained))
+    monkeypatch.setattr(
+        targets, "AutoTokenizer", types.SimpleNamespace(from_pretrained=lambda *a, **k: FakeTokenizer())
+    )
     return types.SimpleNamespace(calls=calls, model=tiny)
 
 
@@ -151,7 +153,7 @@ def test_real_target_second_call_hits_cache(real_target, real_cache_dir, monkeyp
     def no_conversion(*args, **kwargs):
         raise AssertionError("the cached folder should have been used")
 
-    monkeypatch.setattr(models, "convert_gguf", no_conversion)
+    monkeypatch.setattr(targets, "convert_gguf", no_conversion)
     # no_conversion proves the cached folder was used (no timing: a loaded machine makes any bound flaky)
     again, tokenizer_again = load_target(NAME, dtype="float32")  # cache dir from $HF_DFLASH_CACHE (set by the fixture)
     assert Path(real_cache_dir, NAME, MARKER_FILE).is_file()

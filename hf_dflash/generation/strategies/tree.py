@@ -1,0 +1,46 @@
+"""Drafter trees: the drafter's most probable continuations of its block as one tree (batch 1)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..drafting import BlockDrafter, Drafts
+from ..rows import Rows
+from ..stats import AcceptanceStats
+from ..tree_drafting import TreeDrafting, remember_compiled_size
+from .base import Proposal
+from .chain import ChainDrafting
+
+
+class DrafterTreeDrafting(ChainDrafting):
+    """The block's drafter pass as for a chain, then a tree of the most probable continuations of its slots,
+    sized by `trees` (`tree_drafting.py`)."""
+
+    sends_trees = True
+
+    def __init__(self, block: BlockDrafter, controller, do_sample: bool, logits_processor, trees: TreeDrafting):
+        super().__init__(block, controller, do_sample, logits_processor)
+        self.trees = trees
+
+    def width(self) -> int:
+        return self.trees.max_nodes
+
+    def width_settled(self) -> bool:
+        return not self.trees.choosing_size
+
+    def proposal(self, hidden: torch.Tensor, rows: Rows, prefixes, bonus, block_length: int) -> Proposal:
+        logits, token_ids = self.block.tree_logits(hidden, self.logits_processor, 1, rows.active, prefixes)
+        choosing = self.trees.choosing_size
+        tree = self.trees.build(int(bonus[0]), logits[0], token_ids)
+        if choosing:  # a one-size tree chose its size: later compiled calls keep it
+            remember_compiled_size(self.block.drafter, self.trees)
+        return Proposal(Drafts(tree.tokens[None, 1:]), tree, block_length, hidden.shape[1])
+
+    def observe(self, rows: Rows, proposal: Proposal, verdict, committed, stats: AcceptanceStats) -> None:
+        super().observe(rows, proposal, verdict, committed, stats)
+        stats.tree_sizes.append(proposal.tree.num_nodes if proposal.tree is not None else 1)  # 1: no drafter pass
+        if proposal.tree is not None:
+            self.trees.observe(int(verdict.num_accepted[0]))
+
+    def observe_block(self, accepted_drafts: int) -> None:
+        self.trees.observe(accepted_drafts)
