@@ -205,6 +205,32 @@ def test_yaml_exponent_floats_are_accepted(run_config, tmp_path):
     assert load_train_config(path)["training"]["learning_rate"] == pytest.approx(6e-4)
 
 
+def test_a_key_repeated_in_the_yaml_is_refused_by_name(run_config, tmp_path, capsys):
+    """Issue 36: PyYAML keeps the last of two equal keys without a word (the run trained with either value)."""
+    from hf_dflash.cli import main
+
+    path = tmp_path / "twice.yaml"
+    path.write_text(run_config.read_text().replace("training:\n", "training:\n  max_steps: 1\n"))
+    with pytest.raises(
+        ValueError, match=r"twice\.yaml: key 'max_steps' appears twice in one mapping \(lines \d+ and \d+\)"
+    ):
+        load_train_config(path)
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hf-dflash train: error:") and "'max_steps' appears twice" in err and "Traceback" not in err
+    top = tmp_path / "top.yaml"
+    top.write_text(run_config.read_text() + "target_dtype: bfloat16\n")
+    with pytest.raises(ValueError, match=r"key 'target_dtype' appears twice"):
+        load_train_config(top)
+    merged = (
+        tmp_path / "merged.yaml"
+    )  # a merge key may still be overridden, and equal keys in sibling mappings are fine
+    merged.write_text("base: &base {a: 1, b: 2}\nover: {<<: *base, a: 3}\nother: {a: 4}\n")
+    from hf_dflash.trainer.train import read_yaml
+
+    assert read_yaml(merged)["over"] == {"a": 3, "b": 2}
+
+
 # ---------------------------------------------------------------- interrupted saves, finished runs (B4, B5)
 
 

@@ -58,13 +58,48 @@ WEIGHT_NAMES = ("model.safetensors", "model.safetensors.index.json", "adapter_mo
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
-def load_train_config(path: str | Path) -> dict:
-    """Read the YAML training config and validate all of it (`validate_train_config`)."""
+class DuplicateKeyError(yaml.YAMLError):
+    """A key repeated in one YAML mapping."""
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a key repeated in one mapping: PyYAML keeps the last value without a word,
+    so `learning_rate: 1e-3` twice in a section trained with whichever came last. Keys merged in with `<<` may
+    still be overridden (that is what a merge is for)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first_line: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    line = first_line.setdefault(key, key_node.start_mark.line + 1)
+                except TypeError:  # an unhashable key: the base class names it
+                    continue
+                if line != key_node.start_mark.line + 1:
+                    raise DuplicateKeyError(
+                        f"key {key!r} appears twice in one mapping (lines {line} and {key_node.start_mark.line + 1}); "
+                        "YAML would keep the second value silently: delete the one you do not mean."
+                    )
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(path: str | Path):
+    """The YAML document in `path`, read safely; ValueError naming the file for invalid YAML or a repeated key."""
     try:
-        config = yaml.safe_load(Path(path).read_text())
+        return yaml.load(Path(path).read_text(encoding="utf-8"), Loader=UniqueKeyLoader)  # a SafeLoader
+    except DuplicateKeyError as error:
+        raise ValueError(f"{path}: {error}") from None
     except yaml.YAMLError as error:
         raise ValueError(f"{path} is not valid YAML: {error}") from None
-    return validate_train_config(config, str(path))
+
+
+def load_train_config(path: str | Path) -> dict:
+    """Read the YAML training config (`read_yaml`: a repeated key is an error) and validate all of it
+    (`validate_train_config`)."""
+    return validate_train_config(read_yaml(path), str(path))
 
 
 def checkpoint_problem(folder: Path) -> str | None:
