@@ -354,6 +354,24 @@ def test_training_locks_its_output_dir_and_marks_it_as_its_own(run_config, tmp_p
     assert train_from_config(config).state.global_step == 2
 
 
+def test_a_second_run_started_at_once_is_told_another_process_writes_there(run_config, tmp_path):
+    """Issue 36: two runs started at once on one output_dir: the second saw the first run's temporary marker
+    and was told the folder "is not empty and was not made by hf-dflash train (it holds
+    .training_started.json.<tmp>)". The test holds the lock and leaves the marker's temporary file as the first
+    run does at that moment."""
+    from hf_dflash.folder_lock import FolderLockedError, folder_lock
+    from hf_dflash.trainer.train import output_dir_problem
+
+    config = load_train_config(run_config)
+    out = Path(config["training"]["output_dir"])
+    with folder_lock(out, "training.output_dir"):
+        (out / ".training_started.json.k3j9x2.tmp").write_text("{")
+        with pytest.raises(FolderLockedError, match=rf"another process is writing to {out} .*training\.output_dir"):
+            train_from_config(config)
+        assert output_dir_problem(out) is None  # the other processes of the first run look in too: theirs
+    (out / ".training_started.json.k3j9x2.tmp").unlink()
+
+
 def test_a_corrupt_checkpoint_is_skipped_or_named_never_a_traceback(run_config, capsys):
     """Issue 25: a truncated model.safetensors and a pickle torch.load refuses in rng_state.pth reached users as
     SafetensorError / UnpicklingError tracebacks."""

@@ -33,6 +33,7 @@ from huggingface_hub import CommitOperationAdd
 from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 
+from ..folder_lock import LOCK_NAME, folder_lock
 from ..hub_cards.card import REPO_ID_PLACEHOLDER, render_model_card
 from ..hub_cards.schemas import BENCHMARK_NAME, TRAINING_RECORD_NAME, load_benchmark, load_training_record
 from .files import CONFIG_NAME, as_dtype
@@ -88,33 +89,35 @@ def export_drafter(
     record = load_training_record(training_record) if training_record is not None else None
     weights_dtype = as_dtype(dtype)
     out = Path(out_dir)
-    if out.is_file() or (out.is_dir() and any(out.iterdir())):
-        raise ValueError(
-            f"{out} exists and is not empty; export into a new or empty folder (stale files would be uploaded)."
+    if out.is_file():
+        raise ValueError(f"{out} is a file; export into a new or empty folder.")
+    with folder_lock(out, "export"):  # one writer: a second export into the same folder is refused by name
+        if any(path.name != LOCK_NAME for path in out.iterdir()):
+            raise ValueError(
+                f"{out} exists and is not empty; export into a new or empty folder (stale files would be uploaded)."
+            )
+        drafter = load_drafter(drafter_path)
+        weights_dtype = weights_dtype or drafter.dtype
+        save_hub(drafter, out, dtype=weights_dtype, model_card=False)
+        if official:
+            save_official(drafter, out / OFFICIAL_SUBFOLDER, dtype=weights_dtype)
+        for name, data in ((BENCHMARK_NAME, benchmark), (TRAINING_RECORD_NAME, record)):
+            if data is not None:
+                (out / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+        card = render_model_card(
+            drafter.config,
+            target_id,
+            repo_id=repo_id,
+            benchmark=benchmark,
+            training_record=record,
+            official=official,
+            license=license,
+            weights_dtype=str(weights_dtype).removeprefix("torch."),
+            num_parameters=sum(p.numel() for p in drafter.parameters()),
         )
-
-    drafter = load_drafter(drafter_path)
-    weights_dtype = weights_dtype or drafter.dtype
-    save_hub(drafter, out, dtype=weights_dtype, model_card=False)
-    if official:
-        save_official(drafter, out / OFFICIAL_SUBFOLDER, dtype=weights_dtype)
-    for name, data in ((BENCHMARK_NAME, benchmark), (TRAINING_RECORD_NAME, record)):
-        if data is not None:
-            (out / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-
-    card = render_model_card(
-        drafter.config,
-        target_id,
-        repo_id=repo_id,
-        benchmark=benchmark,
-        training_record=record,
-        official=official,
-        license=license,
-        weights_dtype=str(weights_dtype).removeprefix("torch."),
-        num_parameters=sum(p.numel() for p in drafter.parameters()),
-    )
-    card.save(out / "README.md")
-    return out
+        card.save(out / "README.md")
+        return out
 
 
 def _upload_operations(folder: Path, card: str) -> list[CommitOperationAdd]:

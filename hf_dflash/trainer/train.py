@@ -56,6 +56,7 @@ STARTED_RUN_NAME = "training_started.json"  # written first into output_dir: the
 TRAINER_STATE_NAME = "trainer_state.json"
 WEIGHT_NAMES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+_STARTED_TEMPORARY = re.compile(rf"^\.{re.escape(STARTED_RUN_NAME)}\..*\.tmp$")  # write_atomic's temporary file
 
 
 class DuplicateKeyError(yaml.YAMLError):
@@ -168,7 +169,10 @@ def output_dir_problem(output_dir: Path) -> str | None:
         return None
     if not output_dir.is_dir():
         return f"training.output_dir {output_dir} is a file, not a folder; give a new or empty folder."
-    held = sorted(path.name for path in output_dir.iterdir() if path.name != LOCK_NAME)  # the main process's lock
+    # the main process's lock, and its marker while it is being written (other processes of the same run look)
+    held = sorted(
+        path.name for path in output_dir.iterdir() if path.name != LOCK_NAME and not _STARTED_TEMPORARY.match(path.name)
+    )
     if not held or STARTED_RUN_NAME in held or FINISHED_RUN_NAME in held:
         return None
     if any(_CHECKPOINT.match(name) and (output_dir / name).is_dir() for name in held):
@@ -280,13 +284,19 @@ def train_from_config(config: dict, callbacks: list | None = None) -> DFlashTrai
             "or use a new output_dir."
         )
         return None
-    if (problem := output_dir_problem(output_dir)) is not None:
-        raise ValueError(problem)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ValueError(output_dir_problem(output_dir))
     # The card's base_model: the target as named in the config, not its cache folder.
     args = DFlashTrainingArguments(**{"target_name_or_path": config["target"], **config["training"]})
     if args.process_index != 0:  # the main process holds the folder's lock and writes the records
+        if (problem := output_dir_problem(output_dir)) is not None:
+            raise ValueError(problem)
         return _train(config, args, output_dir, callbacks)
+    # The lock first, then the look inside: a second run started at the same time is told that another process
+    # writes there (it used to see the first run's temporary marker and call the folder foreign).
     with folder_lock(output_dir, "training.output_dir"):
+        if (problem := output_dir_problem(output_dir)) is not None:
+            raise ValueError(problem)
         write_json_atomic(output_dir / STARTED_RUN_NAME, {"made_by": "hf-dflash train", "config": _json_config(config)})
         return _train(config, args, output_dir, callbacks)
 
