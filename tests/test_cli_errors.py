@@ -322,6 +322,7 @@ def writer_argv(command, folders, out):
     target, drafter, prompts, _ = folders
     return {
         "export": ["export", str(drafter), str(out), "--target-id", "org/name"],
+        "push": ["push", str(out), "--repo-id", "org/name"],
         "convert": ["convert", str(drafter), str(out), "--to", "official"],
         "bench": [
             "bench",
@@ -352,6 +353,7 @@ def writer_argv(command, folders, out):
     "command, output, lock, what",
     [
         ("export", "repo", "folder", "choose another folder for export"),
+        ("push", "repo", "folder", "choose another folder for push"),
         ("convert", "official", "beside", "choose another folder for convert"),
         ("bench", "bench", "folder", "choose another folder for bench --out"),
         ("generate", "answers.jsonl", "beside", "choose another file for generate --out"),
@@ -361,8 +363,8 @@ def test_a_second_writer_of_the_same_output_is_refused_before_any_work(
     folders, tmp_path, capsys, monkeypatch, command, output, lock, what
 ):
     """Issue 36: two exports into one folder, two `bench --out` to one folder, two `generate --out` to one file
-    all exited 0 and one result was lost. The test holds the output's lock as a first run does; the command is
-    refused by name, before any model loads."""
+    all exited 0 and one result was lost (and a push could upload a half-written export). The test holds the
+    output's lock as a first run does; the command is refused by name, before any model loads."""
     from hf_dflash.folder_lock import folder_lock, lock_path_beside, path_lock
 
     out = tmp_path / output

@@ -122,8 +122,13 @@ def export_drafter(
 
 def _upload_operations(folder: Path, card: str) -> list[CommitOperationAdd]:
     """One commit's additions: every file of `folder` (minus `.git` / `.cache/huggingface`, as
-    `upload_folder` skips them), with `README.md` taken from `card` instead of the file on disk."""
-    files = {path.relative_to(folder).as_posix(): path for path in sorted(folder.glob("**/*")) if path.is_file()}
+    `upload_folder` skips them, and the folder's lock file), with `README.md` taken from `card` instead of the file
+    on disk."""
+    files = {
+        path.relative_to(folder).as_posix(): path
+        for path in sorted(folder.glob("**/*"))
+        if path.is_file() and not path.name.endswith(LOCK_NAME)  # push's own lock
+    }
     kept = filter_repo_objects(files, ignore_patterns=DEFAULT_IGNORE_PATTERNS)
     return [
         CommitOperationAdd(
@@ -149,6 +154,14 @@ def push_folder(
     """
     folder = Path(out_dir)
     _check_hub_id(repo_id, "repo_id")
+    if folder.is_file():
+        raise ValueError(f"{folder} is a file; give the folder written by `hf-dflash export`.")
+    # The folder's lock for the upload and the card's rewrite: never a half-written export, nor two card rewrites.
+    with folder_lock(folder, "push"):
+        return _push(folder, repo_id, private, token)
+
+
+def _push(folder: Path, repo_id: str, private: bool, token: str | None) -> str:
     missing = [name for name in (CONFIG_NAME, "README.md") if not (folder / name).is_file()]
     if missing:
         raise ValueError(f"{folder} lacks {missing}; write the folder with `hf-dflash export` first.")
