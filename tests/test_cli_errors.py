@@ -308,7 +308,13 @@ def _no_model_loads(monkeypatch):
     def loaded(*args, **kwargs):
         raise AssertionError("a model was loaded before the output was checked")
 
+    import transformers
+
+    import hf_dflash.models as models
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", loaded)
     for module, name in (
+        (models, "load_target"),
         (bench_command, "load_bench_models"),
         (bench_loading, "load_bench_models"),
         (converting, "load_drafter"),
@@ -320,9 +326,15 @@ def _no_model_loads(monkeypatch):
 def writer_argv(command, folders, out):
     """The argv of `command` writing its result to `out`."""
     target, drafter, prompts, _ = folders
+    tokenized = prompts.parent / "tokenized"  # what pack-data reads (prepare-data's, with its settings)
+    if command == "pack-data":
+        tokenized.mkdir(exist_ok=True)
+        (tokenized / "config.json").write_text("{}")
     return {
         "export": ["export", str(drafter), str(out), "--target-id", "org/name"],
         "push": ["push", str(out), "--repo-id", "org/name"],
+        "cache-features": ["cache-features", "--data", str(prompts.parent), "--out", str(out), "--target", "x"],
+        "pack-data": ["pack-data", "--tokenized", str(tokenized), "--out", str(out), "--part", "p1"],
         "convert": ["convert", str(drafter), str(out), "--to", "official"],
         "bench": [
             "bench",
@@ -354,6 +366,8 @@ def writer_argv(command, folders, out):
     [
         ("export", "repo", "folder", "choose another folder for export"),
         ("push", "repo", "folder", "choose another folder for push"),
+        ("cache-features", "features", "folder", "choose another folder for cache-features"),
+        ("pack-data", "packed", "folder", "choose another folder for pack-data"),
         ("convert", "official", "beside", "choose another folder for convert"),
         ("bench", "bench", "folder", "choose another folder for bench --out"),
         ("generate", "answers.jsonl", "beside", "choose another file for generate --out"),
@@ -403,7 +417,16 @@ def unwritable(tmp_path):
         pytest.skip("running as root, with no folder that refuses new files")
 
 
-@pytest.mark.parametrize("command, output", [("bench", "bench"), ("generate", "answers.jsonl"), ("export", "repo")])
+@pytest.mark.parametrize(
+    "command, output",
+    [
+        ("bench", "bench"),
+        ("generate", "answers.jsonl"),
+        ("export", "repo"),
+        ("cache-features", "features"),
+        ("pack-data", "packed"),
+    ],
+)
 def test_an_output_that_cannot_be_written_is_refused_before_any_model_loads(
     folders, unwritable, capsys, monkeypatch, command, output
 ):
