@@ -1,8 +1,9 @@
 """One writer per output folder: a non-blocking lock file inside the folder (stdlib only, POSIX `flock`).
 
-Every command that writes into a folder it may share with another run (pack-data, training's output_dir,
-cache-features, regeneration and prepare-data folders) holds `folder_lock(folder)` while it writes:
-a second process gets a `FolderLockedError` (a ValueError) at once instead of interleaving its files.
+Every command that writes a result into a folder it may share with another run (pack-data, training's
+output_dir, cache-features, regeneration and prepare-data folders, export, push, bench --out) holds
+`folder_lock(folder)` while it writes: a second process gets a `FolderLockedError` (a ValueError) at once
+instead of interleaving its files (docs/reliability.md lists them all).
 
     with folder_lock(out, "pack-data"):
         ...  # write shards, then the manifest
