@@ -145,22 +145,27 @@ def _run_cache_features(args: argparse.Namespace) -> int:
     with the same arguments.
     """
     from .data.feature_cache import cache_features
+    from .folder_lock import folder_lock
     from .modeling_dflash import default_target_layer_ids
+    from .output_paths import check_output_folder
     from .targets import load_target, resolve_dtype
 
-    _announce_dtype(args.target_dtype)
-    target, _ = load_target(args.target, dtype=args.target_dtype)
-    layer_ids = args.target_layer_ids or default_target_layer_ids(target.config.num_hidden_layers, 5)
-    out = cache_features(
-        target,
-        args.data,
-        args.out,
-        layer_ids,
-        dtype=resolve_dtype(args.dtype),
-        batch_size=args.batch_size,
-        shard_size_bytes=int(args.shard_size_mb * 2**20),
-        target_name=args.target,
-    )
+    check_output_folder(args.out)
+    with folder_lock(args.out, "cache-features"):  # a second writer is refused before the target loads
+        _announce_dtype(args.target_dtype)
+        target, _ = load_target(args.target, dtype=args.target_dtype)
+        layer_ids = args.target_layer_ids or default_target_layer_ids(target.config.num_hidden_layers, 5)
+        out = cache_features(
+            target,
+            args.data,
+            args.out,
+            layer_ids,
+            dtype=resolve_dtype(args.dtype),
+            batch_size=args.batch_size,
+            shard_size_bytes=int(args.shard_size_mb * 2**20),
+            target_name=args.target,
+            lock=False,
+        )
     print(f"Wrote {args.target} features of layers {layer_ids} to {out}")
     return 0
 
@@ -513,6 +518,7 @@ def _run_pack_data(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from .data.packed import check_part_name, pack_tokenized
+    from .folder_lock import folder_lock
     from .json_files import read_json_object
     from .output_paths import check_output_folder
     from .targets import default_cache_dir, get_spec, load_target
@@ -537,18 +543,20 @@ def _run_pack_data(args: argparse.Namespace) -> int:
     if args.note:
         settings["note"] = args.note
     get_spec(args.target)
-    folder = default_cache_dir() / args.target
-    if not folder.is_dir():
-        load_target(args.target)  # converts the target once, which also writes its tokenizer
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    manifest = pack_tokenized(
-        args.tokenized,
-        args.out,
-        part=args.part,
-        settings=settings,
-        tokenizer=tokenizer,
-        samples_per_shard=args.samples_per_shard,
-    )
+    with folder_lock(args.out, "pack-data"):  # a second writer is refused before the tokenizer loads
+        folder = default_cache_dir() / args.target
+        if not folder.is_dir():
+            load_target(args.target)  # converts the target once, which also writes its tokenizer
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        manifest = pack_tokenized(
+            args.tokenized,
+            args.out,
+            part=args.part,
+            settings=settings,
+            tokenizer=tokenizer,
+            samples_per_shard=args.samples_per_shard,
+            lock=False,
+        )
     totals = manifest["totals"]
     print(
         f"{args.out}: {len(manifest['shards'])} shards, {totals.get('samples', 0)} samples, "

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from .data.corpus import read_prompts_file
+from .folder_lock import path_lock
 from .generation.compiling import choose_compile, compiled_generate_kwargs, static_slots
 from .json_files import write_atomic
 from .output_paths import check_new_file
@@ -95,22 +96,25 @@ def run_generate(args) -> dict:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}.")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
-    device = resolve_device(None)  # where load_bench_models puts the models
-    compiled, why = choose_compile(args.compile, device)
-    models = load_bench_models(args.target, RANDOM_DRAFTER if args.drafter == "none" else args.drafter, args.dtype)
-    drafter = None if args.drafter == "none" else models.drafter
-    if drafter is not None:
-        drafter.block_size_policy = parse_block_size_policy(args.block_size_policy, drafter.config.block_size)
-    print(f"compile: {why}")
-    summary = generate_file(
-        models.target, models.tokenizer, drafter, args.prompts, args.out, args.batch_size, args.max_new_tokens,
-        overwrite=args.overwrite, compiled=compiled,
-    )  # fmt: skip
-    tau = summary["mean_acceptance_length"]
-    print(
-        f"{summary['prompts']} prompts, batch {args.batch_size}: {summary['new_tokens']} new tokens in "
-        f"{summary['seconds']:.1f} s = {summary['tokens_per_second']:.1f} tok/s"
-        + (f", τ {tau:.2f}" if tau is not None else " (plain decoding)")
-        + f"; drafter: {models.drafter_description if drafter is not None else 'none'}; wrote {args.out}"
-    )
-    return summary
+    # One writer per --out file (its lock file beside it, which is also the write probe): a second run writing
+    # the same file, or a folder that cannot be written, is refused before any model loads.
+    with path_lock(args.out, "generate --out", kind="file"):
+        device = resolve_device(None)  # where load_bench_models puts the models
+        compiled, why = choose_compile(args.compile, device)
+        models = load_bench_models(args.target, RANDOM_DRAFTER if args.drafter == "none" else args.drafter, args.dtype)
+        drafter = None if args.drafter == "none" else models.drafter
+        if drafter is not None:
+            drafter.block_size_policy = parse_block_size_policy(args.block_size_policy, drafter.config.block_size)
+        print(f"compile: {why}")
+        summary = generate_file(
+            models.target, models.tokenizer, drafter, args.prompts, args.out, args.batch_size, args.max_new_tokens,
+            overwrite=args.overwrite, compiled=compiled,
+        )  # fmt: skip
+        tau = summary["mean_acceptance_length"]
+        print(
+            f"{summary['prompts']} prompts, batch {args.batch_size}: {summary['new_tokens']} new tokens in "
+            f"{summary['seconds']:.1f} s = {summary['tokens_per_second']:.1f} tok/s"
+            + (f", τ {tau:.2f}" if tau is not None else " (plain decoding)")
+            + f"; drafter: {models.drafter_description if drafter is not None else 'none'}; wrote {args.out}"
+        )
+        return summary

@@ -413,7 +413,11 @@ def test_official_config_errors(official_dir, tmp_path, edit, match):
         (lambda sd: {**sd, "lm_head.weight": torch.zeros(128, 32)}, r"unexpected keys \['lm_head\.weight'\]"),
         (lambda sd: {k: v for k, v in sd.items() if k != "norm.weight"}, r"missing keys \['norm\.weight'\]"),
         (lambda sd: {f"model.{k}": v for k, v in sd.items()}, r"'model\.' prefix.*removeprefix\('model\.'\)"),
-        (lambda sd: {**sd, "fc.weight": torch.zeros(32, 96)}, r"fc\.weight: checkpoint \(32, 96\) vs config \(32, 64"),
+        (
+            lambda sd: {**sd, "fc.weight": torch.zeros(32, 96)},
+            r"fc\.weight is \(32, 96\) in the checkpoint but config\.json gives \(32, 64\) \(hidden_size=32, "
+            r"len\(target_layer_ids\)=2 x target_hidden_size=32\)",
+        ),
     ],
     ids=["extra_key", "missing_key", "model_prefix", "shape"],
 )
@@ -489,6 +493,42 @@ def test_hub_from_pretrained_rejects_key_mismatch(hub_dir, tmp_path, edit, match
         DFlashDraftModel.from_pretrained(folder)
     with pytest.raises(ValueError, match=match):
         load_drafter(folder)
+
+
+def test_weights_of_another_size_are_named_with_the_config_value(hub_dir, official_dir, tmp_path):
+    """Issue 36: a Hub-format config.json whose intermediate_size does not match the weights got Transformers'
+    load report and a RuntimeError; now our ValueError names the file, the tensor, both shapes and the field."""
+    for name, source in (("hub", hub_dir), ("official", official_dir)):
+        folder = Path(shutil.copytree(source, tmp_path / name))
+        edit_config(folder, lambda c: c.update(intermediate_size=96))
+        with pytest.raises(ValueError) as caught:
+            load_drafter(folder)
+        message = str(caught.value)
+        assert "layers.0.mlp.down_proj.weight is (32, 64) in" in message, message
+        assert "config.json gives (32, 96) (hidden_size=32, intermediate_size=96)" in message, message
+        assert "and 3 more" in message and "set config.json to the sizes the weights were trained with" in message
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("block_size", 10**12, r"block_size=1000000000000 is larger than max_position_embeddings=256"),
+        ("block_size", 300, r"block_size=300 is larger than max_position_embeddings=256"),
+        ("num_attention_heads", 0, r"num_attention_heads=0 must be an integer >= 1"),
+        ("num_key_value_heads", 0, r"num_key_value_heads=0 must be an integer >= 1"),
+        ("rms_norm_eps", float("nan"), r"rms_norm_eps=nan must be a finite number"),
+        ("hidden_act", "swishy", r"hidden_act='swishy' is not an activation Transformers knows"),
+    ],
+)
+def test_out_of_range_config_values_are_refused_when_read(hub_dir, official_dir, tmp_path, field, value, match):
+    """Issue 36: each loaded (a block of 10**12 then allocated terabytes) or crashed inside Transformers."""
+    for name, source in (("hub", hub_dir), ("official", official_dir)):
+        folder = Path(shutil.copytree(source, tmp_path / name))
+        edit_config(folder, lambda c: c.update({field: value}))
+        if name == "official" and field == "block_size":
+            edit_config(folder, lambda c: c["dflash_config"].update(block_size=value))
+        with pytest.raises(ValueError, match=match):
+            load_drafter(folder)
 
 
 # ---------------------------------------------------------------- Hub-format config errors (issue #13 B1)

@@ -2,6 +2,8 @@
 never a traceback or a silent success; `bench --prompts FILE` runs the whole file."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -294,3 +296,145 @@ def test_bench_out_pointing_at_a_file_is_refused_before_the_benchmark(folders, t
     (tmp_path / "results").write_text("not a folder")
     argv = ["bench", "--prompts", str(prompts), "--target", "nope", "--drafter", "random"]
     fails_cleanly(capsys, [*argv, "--out", str(tmp_path / "results")], "bench", "--out", "is a file, not a folder")
+
+
+def _no_model_loads(monkeypatch):
+    """Make every model loader the writing commands use fail the test: refusals must come before them."""
+    import hf_dflash.bench.command as bench_command
+    import hf_dflash.bench.loading as bench_loading
+    import hf_dflash.checkpoints.converting as converting
+    import hf_dflash.checkpoints.publish as publish
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model was loaded before the output was checked")
+
+    import transformers
+
+    import hf_dflash.targets as targets
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", loaded)
+    for module, name in (
+        (targets, "load_target"),
+        (bench_command, "load_bench_models"),
+        (bench_loading, "load_bench_models"),
+        (converting, "load_drafter"),
+        (publish, "load_drafter"),
+    ):
+        monkeypatch.setattr(module, name, loaded)
+
+
+def writer_argv(command, folders, out):
+    """The argv of `command` writing its result to `out`."""
+    target, drafter, prompts, _ = folders
+    tokenized = prompts.parent / "tokenized"  # what pack-data reads (prepare-data's, with its settings)
+    if command == "pack-data":
+        tokenized.mkdir(exist_ok=True)
+        (tokenized / "config.json").write_text("{}")
+    return {
+        "export": ["export", str(drafter), str(out), "--target-id", "org/name"],
+        "push": ["push", str(out), "--repo-id", "org/name"],
+        "cache-features": ["cache-features", "--data", str(prompts.parent), "--out", str(out), "--target", "x"],
+        "pack-data": ["pack-data", "--tokenized", str(tokenized), "--out", str(out), "--part", "p1"],
+        "convert": ["convert", str(drafter), str(out), "--to", "official"],
+        "bench": [
+            "bench",
+            "--prompts",
+            str(prompts),
+            "--target",
+            str(target),
+            "--drafter",
+            "random",
+            "--out",
+            str(out),
+        ],
+        "generate": [
+            "generate",
+            "--prompts",
+            str(prompts),
+            "--target",
+            str(target),
+            "--drafter",
+            "none",
+            "--out",
+            str(out),
+        ],
+    }[command]
+
+
+@pytest.mark.parametrize(
+    "command, output, lock, what",
+    [
+        ("export", "repo", "folder", "choose another folder for export"),
+        ("push", "repo", "folder", "choose another folder for push"),
+        ("cache-features", "features", "folder", "choose another folder for cache-features"),
+        ("pack-data", "packed", "folder", "choose another folder for pack-data"),
+        ("convert", "official", "beside", "choose another folder for convert"),
+        ("bench", "bench", "folder", "choose another folder for bench --out"),
+        ("generate", "answers.jsonl", "beside", "choose another file for generate --out"),
+    ],
+)
+def test_a_second_writer_of_the_same_output_is_refused_before_any_work(
+    folders, tmp_path, capsys, monkeypatch, command, output, lock, what
+):
+    """Issue 36: two exports into one folder, two `bench --out` to one folder, two `generate --out` to one file
+    all exited 0 and one result was lost (and a push could upload a half-written export). The test holds the
+    output's lock as a first run does; the command is refused by name, before any model loads."""
+    from hf_dflash.folder_lock import folder_lock, lock_path_beside, path_lock
+
+    out = tmp_path / output
+    _no_model_loads(monkeypatch)
+    holder = folder_lock(out) if lock == "folder" else path_lock(out)
+    with holder:
+        lock_file = out / ".hf-dflash.lock" if lock == "folder" else lock_path_beside(out)
+        fails_cleanly(
+            capsys,
+            writer_argv(command, folders, out),
+            command,
+            f"another process is writing to {out}",
+            str(lock_file),
+            what,
+        )
+    assert not lock_file.exists()  # the refused run leaves the holder's lock alone; the holder removed it
+
+
+@pytest.fixture
+def unwritable(tmp_path):
+    """A folder this process cannot create files in: a read-only one, or /sys for root (which ignores modes)."""
+    if os.geteuid() != 0:
+        folder = tmp_path / "read-only"
+        folder.mkdir()
+        folder.chmod(0o500)
+        yield folder
+        folder.chmod(0o700)
+        return
+    folder = Path("/sys")
+    try:
+        os.close(os.open(folder / ".hf-dflash-probe", os.O_RDWR | os.O_CREAT, 0o644))
+    except OSError:
+        yield folder
+    else:
+        os.unlink(folder / ".hf-dflash-probe")
+        pytest.skip("running as root, with no folder that refuses new files")
+
+
+@pytest.mark.parametrize(
+    "command, output",
+    [
+        ("bench", "bench"),
+        ("generate", "answers.jsonl"),
+        ("export", "repo"),
+        ("cache-features", "features"),
+        ("pack-data", "packed"),
+    ],
+)
+def test_an_output_that_cannot_be_written_is_refused_before_any_model_loads(
+    folders, unwritable, capsys, monkeypatch, command, output
+):
+    """Issue 36: `generate --out` and `bench --out` into a folder that cannot be written failed only after the
+    models had loaded and every answer was generated."""
+    _no_model_loads(monkeypatch)
+    out = unwritable / output
+    fails_cleanly(
+        capsys, writer_argv(command, folders, out), command, f"{unwritable} cannot be written", "Nothing was loaded"
+    )
+    assert not out.exists()

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 import hf_dflash.folder_lock as folder_lock_module
-from hf_dflash.folder_lock import LOCK_NAME, FolderLockedError, folder_lock
+from hf_dflash.folder_lock import LOCK_NAME, FolderLockedError, folder_lock, lock_path_beside, path_lock
 
 
 def test_a_second_holder_is_refused_and_the_lock_file_goes_with_the_first(tmp_path):
@@ -74,3 +74,31 @@ def test_every_shared_folder_writer_refuses_a_second_one(tmp_path, writer):
 
                 prepare_data(out, sources=[], prompts_file=tmp_path / "none.jsonl")
         assert sorted(path.name for path in out.iterdir()) == [LOCK_NAME]
+
+
+def test_a_single_output_file_is_locked_beside_it(tmp_path):
+    """Issue 36: `generate --out FILE` (and `convert`, which replaces its folder whole) lock a file beside the
+    output, in its folder (created)."""
+    out = tmp_path / "new" / "answers.jsonl"
+    with path_lock(out, "generate --out") as locked:
+        assert locked == out and lock_path_beside(out) == tmp_path / "new" / ".answers.jsonl.hf-dflash.lock"
+        assert lock_path_beside(out).is_file() and not out.exists()
+        with pytest.raises(FolderLockedError, match=r"choose another file for generate --out"):
+            with path_lock(out, "generate --out"):
+                pass
+        with path_lock(tmp_path / "new" / "other.jsonl"):  # another file of the same folder: its own lock
+            pass
+    assert sorted(path.name for path in (tmp_path / "new").iterdir()) == []
+
+
+def test_folders_a_failed_holder_created_are_removed_when_empty(tmp_path):
+    out = tmp_path / "a" / "b"
+    with pytest.raises(RuntimeError):
+        with folder_lock(out):
+            raise RuntimeError("the work failed")
+    assert not (tmp_path / "a").exists()
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(RuntimeError):
+        with folder_lock(tmp_path / "kept"):  # a folder that existed stays
+            raise RuntimeError("the work failed")
+    assert (tmp_path / "kept").is_dir()

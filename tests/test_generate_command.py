@@ -74,6 +74,50 @@ def test_generate_refuses_to_overwrite_before_any_work(tmp_path, capsys):
     assert kept.read_text() == "precious\n" and prompts.read_text() == before
 
 
+@pytest.mark.parametrize(
+    "bad_line, fragment",
+    [
+        ('{"id": {"a": 1}, "prompt": "hi"}', '"id" must be a string or an integer, got dict {"a": 1}'),
+        ('{"id": [1, 2], "prompt": "hi"}', '"id" must be a string or an integer, got list [1, 2]'),
+        ('{"id": true, "prompt": "hi"}', '"id" must be a string or an integer, got bool true'),
+        ('{"id": null, "prompt": "hi"}', '"id" must be a string or an integer, got NoneType null'),
+        ('{"prompt": "bad \\ud800 half"}', '"prompt" holds a lone surrogate \\ud800 at character 4'),
+        (
+            '{"messages": [{"role": "user", "content": "x\\udc00"}]}',
+            "message 0's content holds a lone surrogate \\udc00 at character 1",
+        ),
+        ('{"id": "\\ud800", "prompt": "hi"}', '"id" holds a lone surrogate'),
+        ('{"id": "1", "prompt": "hi"}', "id '1' repeats line 1's id 1; ids are compared as text"),
+        ('{"id": 2, "prompt": "hi"}', "id 2 repeats line 2 (no id: its number)"),
+    ],
+)
+def test_a_bad_id_or_prompt_text_is_refused_with_its_line_before_any_work(tmp_path, capsys, bad_line, fragment):
+    """Issue 36: an object or list id died in a TypeError (unhashable), a lone surrogate in a tokenizer TypeError
+    after the models loaded, and ids 1 and "1" gave two answers with the same id "user:1"."""
+    prompts = write_lines(tmp_path / "prompts.jsonl", ['{"id": 1, "prompt": "one"}', '{"prompt": "two"}', bad_line])
+    argv = ["generate", "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl"), "--target", "nope"]
+    assert main([*argv, "--drafter", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "hf-dflash generate: error:" in err and "prompts.jsonl, line 3:" in err and "Traceback" not in err, err
+    assert fragment in err, err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_a_lone_surrogate_in_a_dropped_assistant_turn_and_a_surrogate_pair_are_fine(tmp_path):
+    from hf_dflash.data.corpus import read_prompts_file
+
+    lines = [
+        '{"prompt": "smile \\ud83d\\ude00"}',
+        '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "\\ud800"}, '
+        '{"role": "user", "content": "b"}]}',
+    ]
+    records = read_prompts_file(write_lines(tmp_path / "prompts.jsonl", lines))
+    assert records[0]["messages"][0]["content"] == "smile \U0001f600" and [r["id"] for r in records] == [
+        "user:1",
+        "user:2",
+    ]
+
+
 def test_generate_overwrite_replaces_an_earlier_answer_file(tmp_path, capsys):
     target = make_target("qwen3")
     target.save_pretrained(tmp_path / "target")

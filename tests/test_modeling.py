@@ -78,6 +78,49 @@ def test_config_validation_names_the_value(overrides, message):
         tiny_config(**overrides)
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(block_size=10**12), r"block_size=1000000000000 is larger than 1024, the largest block"),
+        (dict(block_size=600, max_position_embeddings=512), r"block_size=600 is larger than max_position_embeddings"),
+        (dict(num_attention_heads=0), r"num_attention_heads=0 must be an integer >= 1"),
+        (dict(num_attention_heads=0, head_dim=None), r"num_attention_heads=0 must be an integer >= 1"),
+        (dict(num_key_value_heads=0), r"num_key_value_heads=0 must be an integer >= 1"),
+        (dict(head_dim=0), r"head_dim=0 must be an integer >= 1"),
+        (dict(hidden_size=-3), r"hidden_size=-3 must be an integer >= 1"),
+        (dict(hidden_size=True), r"hidden_size=True must be an integer >= 1"),
+        (dict(intermediate_size=0), r"intermediate_size=0 must be"),
+        (dict(num_hidden_layers=0), r"num_hidden_layers=0 must be"),
+        (dict(num_attention_heads=4.0), r"num_attention_heads=4.0 must be an integer"),
+        (dict(vocab_size=0), r"vocab_size=0 must be"),
+        (dict(max_position_embeddings=0), r"max_position_embeddings=0 must be"),
+        (dict(target_hidden_size=0), r"target_hidden_size=0 must be"),
+        (dict(num_target_layers=0), r"num_target_layers=0 must be"),
+        (dict(rms_norm_eps=float("nan")), r"rms_norm_eps=nan must be a finite number"),
+        (dict(rms_norm_eps=float("inf")), r"rms_norm_eps=inf must be a finite number"),
+        (dict(rms_norm_eps=0.0), r"rms_norm_eps=0.0 must be > 0"),
+        (dict(rms_norm_eps=-1e-6), r"rms_norm_eps=-1e-06 must be > 0"),
+        (
+            dict(rope_parameters={"rope_type": "default", "rope_theta": float("nan")}),
+            r"rope_theta=nan must be a finite",
+        ),
+        (dict(rope_parameters={"rope_type": "default", "rope_theta": -1.0}), r"rope_theta=-1.0 must be > 0"),
+        (dict(hidden_act="swishy"), r"hidden_act='swishy' is not an activation Transformers knows"),
+        (dict(attention_dropout=2.0), r"attention_dropout=2.0 must be >= 0 and <= 1"),
+        (dict(initializer_range=-1.0), r"initializer_range=-1.0 must be >= 0"),
+        (dict(sliding_window=-1), r"sliding_window=-1 must be None or an integer >= 0"),
+        (dict(attention_bias="no"), r"attention_bias must be true or false"),
+    ],
+)
+def test_every_structural_field_is_range_checked(overrides, message):
+    """Issue 36: a block of 10**12 was accepted (then allocated terabytes); a 0 head count died in a
+    ZeroDivisionError (Transformers' or ours); an unknown activation in a KeyError inside Transformers; a NaN eps
+    or RoPE base loaded and produced NaN drafts."""
+    with pytest.raises(ValueError, match=message):
+        tiny_config(**overrides)
+    assert tiny_config(block_size=256, max_position_embeddings=256).block_size == 256  # the bounds are inclusive
+
+
 def test_from_target_config_derives_sizes(tiny_target):
     config = DFlashConfig.from_target_config(
         tiny_target.config, num_hidden_layers=3, block_size=8, num_target_features=2

@@ -168,6 +168,32 @@ def test_yaml_exponent_floats_are_accepted(run_config, tmp_path):
     assert load_train_config(path)["training"]["learning_rate"] == pytest.approx(6e-4)
 
 
+def test_a_key_repeated_in_the_yaml_is_refused_by_name(run_config, tmp_path, capsys):
+    """Issue 36: PyYAML keeps the last of two equal keys without a word (the run trained with either value)."""
+    from hf_dflash.cli import main
+
+    path = tmp_path / "twice.yaml"
+    path.write_text(run_config.read_text().replace("training:\n", "training:\n  max_steps: 1\n"))
+    with pytest.raises(
+        ValueError, match=r"twice\.yaml: key 'max_steps' appears twice in one mapping \(lines \d+ and \d+\)"
+    ):
+        load_train_config(path)
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hf-dflash train: error:") and "'max_steps' appears twice" in err and "Traceback" not in err
+    top = tmp_path / "top.yaml"
+    top.write_text(run_config.read_text() + "target_dtype: bfloat16\n")
+    with pytest.raises(ValueError, match=r"key 'target_dtype' appears twice"):
+        load_train_config(top)
+    merged = (
+        tmp_path / "merged.yaml"
+    )  # a merge key may still be overridden, and equal keys in sibling mappings are fine
+    merged.write_text("base: &base {a: 1, b: 2}\nover: {<<: *base, a: 3}\nother: {a: 4}\n")
+    from hf_dflash.trainer.train import read_yaml
+
+    assert read_yaml(merged)["over"] == {"a": 3, "b": 2}
+
+
 # ---------------------------------------------------------------- interrupted saves, finished runs (B4, B5)
 
 
@@ -289,6 +315,24 @@ def test_training_locks_its_output_dir_and_marks_it_as_its_own(run_config, tmp_p
     assert not (out / ".hf-dflash.lock").exists()
     config["training"]["max_steps"] = 2  # its own folder: continued, not refused
     assert train_from_config(config).state.global_step == 2
+
+
+def test_a_second_run_started_at_once_is_told_another_process_writes_there(run_config, tmp_path):
+    """Issue 36: two runs started at once on one output_dir: the second saw the first run's temporary marker
+    and was told the folder "is not empty and was not made by hf-dflash train (it holds
+    .training_started.json.<tmp>)". The test holds the lock and leaves the marker's temporary file as the first
+    run does at that moment."""
+    from hf_dflash.folder_lock import FolderLockedError, folder_lock
+    from hf_dflash.trainer.train import output_dir_problem
+
+    config = load_train_config(run_config)
+    out = Path(config["training"]["output_dir"])
+    with folder_lock(out, "training.output_dir"):
+        (out / ".training_started.json.k3j9x2.tmp").write_text("{")
+        with pytest.raises(FolderLockedError, match=rf"another process is writing to {out} .*training\.output_dir"):
+            train_from_config(config)
+        assert output_dir_problem(out) is None  # the other processes of the first run look in too: theirs
+    (out / ".training_started.json.k3j9x2.tmp").unlink()
 
 
 def test_a_corrupt_checkpoint_is_skipped_or_named_never_a_traceback(run_config, capsys):

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..dtypes import describe_dtype
+from ..folder_lock import folder_lock
 from ..generation.adaptive import parse_block_size_policy
 from ..output_paths import check_output_folder
 from .loading import load_bench_models, load_bench_target, machine_description
@@ -59,7 +60,8 @@ def run_bench(
 ) -> dict:
     """Benchmark `methods` with `target` + `drafter` on the sets and/or prompts file; write `out/bench.json`,
     `out/benchmark.json` (model card) and the PNG plots; print the table. Returns the report.
-    `num_prompts` (0 = all) per set; None: 8 per built-in set and every prompt of the file."""
+    `num_prompts` (0 = all) per set; None: 8 per built-in set and every prompt of the file. `out` is locked
+    while the benchmark runs (`folder_lock`: a second run into it is refused)."""
     options = {
         "target": target,
         "drafter": drafter,
@@ -82,68 +84,71 @@ def run_bench(
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.")
     prompt_sets, pool_sizes = select_prompt_sets(sets, prompts, num_prompts, seed)
     prompts_run = {name: [len(records), pool_sizes[name]] for name, records in prompt_sets.items()}
-    models = load_bench_models(target, drafter, dtype=dtype, device=device, seed=seed)
-    options["device"] = str(models.target.device)
-    dtype_note = describe_dtype(dtype, models.target.device)
-    alt_target = None
-    dtypes = {"plain": dtype_name(models.target.dtype)}
-    if "plain-alt" in methods:
-        alt_dtype = other_dtype(models.target.dtype)
-        alt_target = load_bench_target(target, alt_dtype)[0].to(models.target.device)
-        dtypes["plain-alt"] = dtype_name(alt_dtype)
-    models.drafter.block_size_policy = parse_block_size_policy(block_size_policy, models.drafter.config.block_size)
-    print(
-        f"Target: {target} ({dtype_note}, {models.target.device}). Drafter: {models.drafter_description}.\n"
-        f"Prompts run: {prompts_run_line(prompts_run)}"
-        + f"; methods {', '.join(methods)}, interleaved per prompt; max {max_new_tokens} new tokens, "
-        + ("greedy." if temperature <= 0 else f"sampling at temperature {temperature} (seed {seed}).")
-    )
-    warmup_seconds: dict[str, float] = {}
-    samples = run_benchmark(
-        models.target,
-        models.tokenizer,
-        models.drafter,
-        prompt_sets,
-        methods,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        seed=seed,
-        progress=progress,
-        alt_target=alt_target,
-        warmup_seconds=warmup_seconds,
-    )
-    settings = {
-        "target": target,
-        "drafter": models.drafter_description,
-        "block_size": models.drafter.config.block_size,
-        # our DFlash method only (the built-in loop uses block_size); "recommended" resolved to the config's
-        "block_size_policy": block_size_policy
-        if block_size_policy != "recommended"
-        else f"recommended: {models.drafter.config.block_size_policy or 'trained'}",
-        "dtype": dtype_name(models.target.dtype),
-        "dtype_choice": dtype_note,
-        "dtypes": dtypes,  # per plain method; every other method runs in "dtype"
-        # each method's first (untimed) call of the run: plain-compiled's compile, reported apart from tok/s
-        "warmup_seconds": {method: round(seconds, 2) for method, seconds in warmup_seconds.items()},
-        "device": options["device"],
-        "max_new_tokens": max_new_tokens,
-        "temperature": temperature,
-        "seed": seed,
-        "num_prompts": num_prompts,
-        "prompts_run": prompts_run,  # {set: [run, of]}
-        "methods": list(methods),
-        "prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS,
-        "order": "all methods on each prompt before the next, method order rotated per prompt",
-        "identity_check": "token for token against plain greedy"
-        if temperature <= 0
-        else "not applicable: sampling (temperature > 0), outputs legitimately differ",
-    }
-    summary = summarize(samples, methods, models.drafter.config.block_size)
-    report = build_report(
-        summary, samples, bench_command_line(options), machine_description(models.target.device), settings
-    )
-    report["plots"] = [path.name for path in write_plots(summary, out)]
-    written = write_report(report, out)
-    print(format_table(report))
-    print("Wrote " + ", ".join(str(path) for path in written) + f" and {len(report['plots'])} plots to {out}")
-    return report
+    # One writer per folder, and the lock file is the write probe: a second bench into OUT, or an OUT that
+    # cannot be written, is refused before any model loads (both used to lose the run at the end).
+    with folder_lock(out, "bench --out"):
+        models = load_bench_models(target, drafter, dtype=dtype, device=device, seed=seed)
+        options["device"] = str(models.target.device)
+        dtype_note = describe_dtype(dtype, models.target.device)
+        alt_target = None
+        dtypes = {"plain": dtype_name(models.target.dtype)}
+        if "plain-alt" in methods:
+            alt_dtype = other_dtype(models.target.dtype)
+            alt_target = load_bench_target(target, alt_dtype)[0].to(models.target.device)
+            dtypes["plain-alt"] = dtype_name(alt_dtype)
+        models.drafter.block_size_policy = parse_block_size_policy(block_size_policy, models.drafter.config.block_size)
+        print(
+            f"Target: {target} ({dtype_note}, {models.target.device}). Drafter: {models.drafter_description}.\n"
+            f"Prompts run: {prompts_run_line(prompts_run)}"
+            + f"; methods {', '.join(methods)}, interleaved per prompt; max {max_new_tokens} new tokens, "
+            + ("greedy." if temperature <= 0 else f"sampling at temperature {temperature} (seed {seed}).")
+        )
+        warmup_seconds: dict[str, float] = {}
+        samples = run_benchmark(
+            models.target,
+            models.tokenizer,
+            models.drafter,
+            prompt_sets,
+            methods,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            progress=progress,
+            alt_target=alt_target,
+            warmup_seconds=warmup_seconds,
+        )
+        settings = {
+            "target": target,
+            "drafter": models.drafter_description,
+            "block_size": models.drafter.config.block_size,
+            # our DFlash method only (the built-in loop uses block_size); "recommended" resolved to the config's
+            "block_size_policy": block_size_policy
+            if block_size_policy != "recommended"
+            else f"recommended: {models.drafter.config.block_size_policy or 'trained'}",
+            "dtype": dtype_name(models.target.dtype),
+            "dtype_choice": dtype_note,
+            "dtypes": dtypes,  # per plain method; every other method runs in "dtype"
+            # each method's first (untimed) call of the run: plain-compiled's compile, reported apart from tok/s
+            "warmup_seconds": {method: round(seconds, 2) for method, seconds in warmup_seconds.items()},
+            "device": options["device"],
+            "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
+            "seed": seed,
+            "num_prompts": num_prompts,
+            "prompts_run": prompts_run,  # {set: [run, of]}
+            "methods": list(methods),
+            "prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS,
+            "order": "all methods on each prompt before the next, method order rotated per prompt",
+            "identity_check": "token for token against plain greedy"
+            if temperature <= 0
+            else "not applicable: sampling (temperature > 0), outputs legitimately differ",
+        }
+        summary = summarize(samples, methods, models.drafter.config.block_size)
+        report = build_report(
+            summary, samples, bench_command_line(options), machine_description(models.target.device), settings
+        )
+        report["plots"] = [path.name for path in write_plots(summary, out)]
+        written = write_report(report, out)
+        print(format_table(report))
+        print("Wrote " + ", ".join(str(path) for path in written) + f" and {len(report['plots'])} plots to {out}")
+        return report

@@ -9,8 +9,57 @@ from ..modeling_dflash import DFlashConfig, DFlashDraftModel
 from .files import as_dtype
 
 
-def check_state_dict(state_dict: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], source: str) -> None:
-    """Exact key and shape match against the drafter the config describes."""
+def shape_fields(key: str, config: DFlashConfig) -> str:
+    """The config fields that set the shape of weight `key`, with their values (e.g. "intermediate_size=96,
+    hidden_size=32"), or "" for a key this function does not know."""
+    c = config
+    heads = f"num_attention_heads={c.num_attention_heads} x head_dim={c.head_dim}"
+    kv_heads = f"num_key_value_heads={c.num_key_value_heads} x head_dim={c.head_dim}"
+    hidden, inner = f"hidden_size={c.hidden_size}", f"intermediate_size={c.intermediate_size}"
+    features = f"len(target_layer_ids)={len(c.target_layer_ids)} x target_hidden_size={c.target_hidden_size}"
+    by_suffix = {
+        "mlp.gate_proj.weight": (inner, hidden),
+        "mlp.up_proj.weight": (inner, hidden),
+        "mlp.down_proj.weight": (hidden, inner),
+        "self_attn.q_proj.weight": (heads, hidden),
+        "self_attn.k_proj.weight": (kv_heads, hidden),
+        "self_attn.v_proj.weight": (kv_heads, hidden),
+        "self_attn.o_proj.weight": (hidden, heads),
+        "self_attn.q_norm.weight": (f"head_dim={c.head_dim}",),
+        "self_attn.k_norm.weight": (f"head_dim={c.head_dim}",),
+        "layernorm.weight": (hidden,),
+        "fc.weight": (hidden, features),
+    }
+    if key in ("norm.weight", "hidden_norm.weight"):
+        return hidden
+    for suffix, fields in by_suffix.items():
+        if key.endswith(suffix):
+            return ", ".join(fields)
+    return ""
+
+
+def shape_mismatch(key: str, found, wanted, config: DFlashConfig | None, where: str) -> str:
+    """One line naming the tensor, its shape in the file and the shape (and fields) the config gives."""
+    fields = shape_fields(key, config) if config is not None else ""
+    return f"{key} is {tuple(found)} in {where} but config.json gives {tuple(wanted)}" + (
+        f" ({fields})" if fields else ""
+    )
+
+
+def first_problems(problems: list[str], shown: int = 3) -> str:
+    """The first `shown` of `problems`, joined, and how many more there are."""
+    more = len(problems) - shown
+    return "; ".join(problems[:shown]) + (f"; and {more} more" if more > 0 else "")
+
+
+def check_state_dict(
+    state_dict: dict[str, torch.Tensor],
+    expected: dict[str, torch.Tensor],
+    source: str,
+    config: DFlashConfig | None = None,
+) -> None:
+    """Exact key and shape match against the drafter the config describes (`config`, when given, names the
+    fields behind a mismatched shape)."""
     loaded, wanted = set(state_dict), set(expected)
     if loaded != wanted and any(key.startswith("model.") for key in loaded):
         stripped = {key.removeprefix("model.") for key in loaded}
@@ -31,12 +80,15 @@ def check_state_dict(state_dict: dict[str, torch.Tensor], expected: dict[str, to
             f"unexpected keys {unexpected}, missing keys {missing}."
         )
     mismatched = [
-        f"{key}: checkpoint {tuple(state_dict[key].shape)} vs config {tuple(expected[key].shape)}"
+        shape_mismatch(key, state_dict[key].shape, expected[key].shape, config, "the checkpoint")
         for key in sorted(wanted)
         if tuple(state_dict[key].shape) != tuple(expected[key].shape)
     ]
     if mismatched:
-        raise ValueError(f"{source}: weight shapes do not match config.json: {'; '.join(mismatched)}.")
+        raise ValueError(
+            f"{source}: weight shapes do not match config.json: {first_problems(mismatched)}. The weights and the config "
+            "come from different drafters: set config.json to the sizes the weights were trained with."
+        )
 
 
 def build_drafter(
@@ -73,7 +125,7 @@ def build_drafter(
         from transformers.modeling_utils import no_init_weights
     with no_init_weights():
         model = DFlashDraftModel._from_config(config, **from_config_kwargs)
-    check_state_dict(state_dict, model.state_dict(), source)
+    check_state_dict(state_dict, model.state_dict(), source, config)
     model.load_state_dict(state_dict, strict=True)
     try:
         model.check_draft_vocab()
@@ -84,4 +136,4 @@ def build_drafter(
     return model.eval()
 
 
-__all__ = ["build_drafter", "check_state_dict"]
+__all__ = ["build_drafter", "check_state_dict", "shape_fields", "shape_mismatch"]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..folder_lock import path_lock
 from .hub import save_hub
 from .loading import load_drafter
 from .official import save_official
@@ -50,19 +51,21 @@ def convert(
         raise ValueError(f"to={to!r} is not a checkpoint format; use one of {FORMATS}.")
     destination = Path(dst)
     check_destination(src, destination, overwrite)
-    model = load_drafter(src, num_target_layers=num_target_layers)
-    save = save_official if to == "official" else save_hub
-    if not (destination.is_dir() and any(destination.iterdir())):
-        return save(model, destination, dtype=dtype)
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
-    try:
-        save(model, staging / "new", dtype=dtype)
-        os.replace(destination, staging / "old")
-        os.replace(staging / "new", destination)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return destination
+    # One writer per destination; the lock lies beside it (--overwrite replaces the folder whole).
+    with path_lock(destination, "convert", kind="folder"):
+        check_destination(src, destination, overwrite)  # again: another conversion may have just finished
+        model = load_drafter(src, num_target_layers=num_target_layers)
+        save = save_official if to == "official" else save_hub
+        if not (destination.is_dir() and any(destination.iterdir())):
+            return save(model, destination, dtype=dtype)
+        staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
+        try:
+            save(model, staging / "new", dtype=dtype)
+            os.replace(destination, staging / "old")
+            os.replace(staging / "new", destination)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return destination
 
 
 __all__ = ["FORMATS", "check_destination", "convert"]

@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from ..modeling_dflash import DFlashConfig, DFlashDraftModel
 from ..modeling_dflash.configuration_dflash import check_checkpoint_fields, dflash_kwargs_from_official
-from .building import build_drafter
+from .building import build_drafter, first_problems, shape_mismatch
 from .files import CONFIG_NAME, check_weight_files, read_config, resolve_folder, weight_files
 from .official import load_official
 from .speculators import (
@@ -78,6 +78,28 @@ def check_draft_vocab_shapes(folder: Path, config: dict) -> None:
                     )
 
 
+def check_weight_shapes(folder: Path) -> None:
+    """Every tensor of a Hub-format folder has the shape its config.json describes; otherwise a ValueError
+    naming the file, the tensor, its shape there and the config fields behind the expected shape (Transformers
+    prints a load report and raises a RuntimeError). Keys are left to `from_pretrained`, which names them."""
+    config = DFlashConfig.from_pretrained(str(folder))
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        expected = {key: tuple(value.shape) for key, value in DFlashDraftModel(config).state_dict().items()}
+    for file in weight_files(folder):
+        with safe_open(str(file), framework="pt") as handle:
+            mismatched = [
+                shape_mismatch(key, shape, expected[key], config, file.name)
+                for key in sorted(set(handle.keys()) & set(expected))
+                if (shape := tuple(handle.get_slice(key).get_shape())) != expected[key]
+            ]
+        if mismatched:
+            raise ValueError(
+                f"{file}: weight shapes do not match {folder / CONFIG_NAME}: {first_problems(mismatched)}. The weights "
+                "and the config come from different drafters: set config.json to the sizes the weights were "
+                "trained with."
+            )
+
+
 def load_drafter(path: str | os.PathLike, num_target_layers: int | None = None, **kwargs) -> DFlashDraftModel:
     """Load a DFlash drafter from a folder (or Hub repo id): Hub-native, official, or vLLM speculators.
 
@@ -93,6 +115,7 @@ def load_drafter(path: str | os.PathLike, num_target_layers: int | None = None, 
         config = read_config(folder)
         check_checkpoint_fields(config, str(folder / CONFIG_NAME))
         check_draft_vocab_shapes(folder, config)
+        check_weight_shapes(folder)
         return DFlashDraftModel.from_pretrained(str(folder), **kwargs)
     kwargs.pop("revision", None)
     kwargs.pop("token", None)

@@ -33,6 +33,7 @@ from huggingface_hub import CommitOperationAdd
 from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 
+from ..folder_lock import LOCK_NAME, folder_lock
 from ..hub_cards.card import REPO_ID_PLACEHOLDER, render_model_card
 from ..hub_cards.schemas import BENCHMARK_NAME, TRAINING_RECORD_NAME, load_benchmark, load_training_record
 from .files import CONFIG_NAME, as_dtype
@@ -88,39 +89,46 @@ def export_drafter(
     record = load_training_record(training_record) if training_record is not None else None
     weights_dtype = as_dtype(dtype)
     out = Path(out_dir)
-    if out.is_file() or (out.is_dir() and any(out.iterdir())):
-        raise ValueError(
-            f"{out} exists and is not empty; export into a new or empty folder (stale files would be uploaded)."
+    if out.is_file():
+        raise ValueError(f"{out} is a file; export into a new or empty folder.")
+    with folder_lock(out, "export"):  # one writer: a second export into the same folder is refused by name
+        if any(path.name != LOCK_NAME for path in out.iterdir()):
+            raise ValueError(
+                f"{out} exists and is not empty; export into a new or empty folder (stale files would be uploaded)."
+            )
+        drafter = load_drafter(drafter_path)
+        weights_dtype = weights_dtype or drafter.dtype
+        save_hub(drafter, out, dtype=weights_dtype, model_card=False)
+        if official:
+            save_official(drafter, out / OFFICIAL_SUBFOLDER, dtype=weights_dtype)
+        for name, data in ((BENCHMARK_NAME, benchmark), (TRAINING_RECORD_NAME, record)):
+            if data is not None:
+                (out / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+        card = render_model_card(
+            drafter.config,
+            target_id,
+            repo_id=repo_id,
+            benchmark=benchmark,
+            training_record=record,
+            official=official,
+            license=license,
+            weights_dtype=str(weights_dtype).removeprefix("torch."),
+            num_parameters=sum(p.numel() for p in drafter.parameters()),
         )
-
-    drafter = load_drafter(drafter_path)
-    weights_dtype = weights_dtype or drafter.dtype
-    save_hub(drafter, out, dtype=weights_dtype, model_card=False)
-    if official:
-        save_official(drafter, out / OFFICIAL_SUBFOLDER, dtype=weights_dtype)
-    for name, data in ((BENCHMARK_NAME, benchmark), (TRAINING_RECORD_NAME, record)):
-        if data is not None:
-            (out / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-
-    card = render_model_card(
-        drafter.config,
-        target_id,
-        repo_id=repo_id,
-        benchmark=benchmark,
-        training_record=record,
-        official=official,
-        license=license,
-        weights_dtype=str(weights_dtype).removeprefix("torch."),
-        num_parameters=sum(p.numel() for p in drafter.parameters()),
-    )
-    card.save(out / "README.md")
-    return out
+        card.save(out / "README.md")
+        return out
 
 
 def _upload_operations(folder: Path, card: str) -> list[CommitOperationAdd]:
     """One commit's additions: every file of `folder` (minus `.git` / `.cache/huggingface`, as
-    `upload_folder` skips them), with `README.md` taken from `card` instead of the file on disk."""
-    files = {path.relative_to(folder).as_posix(): path for path in sorted(folder.glob("**/*")) if path.is_file()}
+    `upload_folder` skips them, and the folder's lock file), with `README.md` taken from `card` instead of the file
+    on disk."""
+    files = {
+        path.relative_to(folder).as_posix(): path
+        for path in sorted(folder.glob("**/*"))
+        if path.is_file() and not path.name.endswith(LOCK_NAME)  # push's own lock
+    }
     kept = filter_repo_objects(files, ignore_patterns=DEFAULT_IGNORE_PATTERNS)
     return [
         CommitOperationAdd(
@@ -146,6 +154,14 @@ def push_folder(
     """
     folder = Path(out_dir)
     _check_hub_id(repo_id, "repo_id")
+    if folder.is_file():
+        raise ValueError(f"{folder} is a file; give the folder written by `hf-dflash export`.")
+    # The folder's lock for the upload and the card's rewrite: never a half-written export, nor two card rewrites.
+    with folder_lock(folder, "push"):
+        return _push(folder, repo_id, private, token)
+
+
+def _push(folder: Path, repo_id: str, private: bool, token: str | None) -> str:
     missing = [name for name in (CONFIG_NAME, "README.md") if not (folder / name).is_file()]
     if missing:
         raise ValueError(f"{folder} lacks {missing}; write the folder with `hf-dflash export` first.")

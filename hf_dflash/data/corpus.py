@@ -107,6 +107,20 @@ def find_contamination(record: dict, index: EvalIndex) -> tuple[str, str, str] |
 ROLES = ("system", "user", "assistant")
 
 
+def check_encodable(text: str, field: str, where: str) -> None:
+    """ValueError naming `where` and `field` when `text` holds a lone surrogate (a JSON `\\ud800` escape
+    without its pair): no tokenizer can encode it (a TypeError inside the tokenizer), nor can UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        code = ord(text[error.start])
+        raise ValueError(
+            f"{where}: {field} holds a lone surrogate \\u{code:04x} at character {error.start} (a JSON \\u escape "
+            "without its pair), which no tokenizer can encode; write the character itself, or both halves of its "
+            'pair (e.g. "\\ud83d\\ude00").'
+        ) from None
+
+
 def parse_prompt_line(row: object, where: str) -> list[dict]:
     """The messages of one user-file row (assistant turns removed); ValueError naming `where` if malformed."""
     if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
@@ -114,6 +128,7 @@ def parse_prompt_line(row: object, where: str) -> list[dict]:
     if "prompt" in row:
         if not isinstance(row["prompt"], str) or not row["prompt"].strip():
             raise ValueError(f'{where}: "prompt" must be a non-empty string.')
+        check_encodable(row["prompt"], '"prompt"', where)
         return [{"role": "user", "content": row["prompt"]}]
     messages = row["messages"]
     if not isinstance(messages, list) or not messages:
@@ -129,6 +144,8 @@ def parse_prompt_line(row: object, where: str) -> list[dict]:
             )
         if message["role"] == "system" and position != 0:
             raise ValueError(f"{where}: a system message may only come first (message {position}).")
+        if message["role"] != "assistant":  # assistant turns are dropped (regenerated)
+            check_encodable(message["content"], f"message {position}'s content", where)
     kept = [{"role": m["role"], "content": m["content"]} for m in messages if m["role"] != "assistant"]
     if not any(message["role"] == "user" for message in kept):
         raise ValueError(f"{where}: no user message.")
@@ -149,7 +166,8 @@ def check_prompts_file(path: str | Path) -> Path:
 def read_prompts_file(path: str | Path, require_prompts: bool = False) -> list[dict]:
     """Records (source "user") from a JSONL prompt file; ValueError with the line number on a bad line,
     for a missing file, and (`require_prompts`) for a file without any prompt."""
-    path, records, seen = check_prompts_file(path), [], set()
+    path, records = check_prompts_file(path), []
+    seen: dict[str, tuple[int, object]] = {}  # id as text -> (line, id as written; None: the line number)
     with open(path, encoding="utf-8") as handle:
         for line_number, line in enumerate(handle, 1):
             if not line.strip():
@@ -161,10 +179,24 @@ def read_prompts_file(path: str | Path, require_prompts: bool = False) -> list[d
                 raise ValueError(f"{where}: not valid JSON ({error.msg}).") from None
             messages = parse_prompt_line(row, where)
             key = row.get("id", line_number)
-            if key in seen:
-                raise ValueError(f"{where}: id {key!r} repeats an earlier line's.")
-            seen.add(key)
-            records.append({"id": f"user:{key}", "source": "user", "messages": messages})
+            if isinstance(key, bool) or not isinstance(key, (str, int)):
+                raise ValueError(
+                    f'{where}: "id" must be a string or an integer, got {type(key).__name__} {json.dumps(key)}; '
+                    'give each prompt its own id such as "q17" (or leave it out: the line number is used).'
+                )
+            if isinstance(key, str):
+                check_encodable(key, '"id"', where)
+            # Answers carry the id as text ("user:1"), so 1 and "1" would be one id there.
+            name = str(key)
+            if name in seen:
+                line, earlier = seen[name]
+                first = f"line {line}'s id {earlier!r}" if earlier is not None else f"line {line} (no id: its number)"
+                raise ValueError(
+                    f"{where}: id {key!r} repeats {first}; ids are compared as text (answers carry "
+                    f"'user:{name}'), so give each prompt its own id."
+                )
+            seen[name] = (line_number, key if "id" in row else None)
+            records.append({"id": f"user:{name}", "source": "user", "messages": messages})
     if require_prompts and not records:
         raise ValueError(f"The prompts file {path} holds no prompts (only blank lines); nothing to do.")
     return records

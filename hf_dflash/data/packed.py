@@ -171,10 +171,12 @@ def pack_tokenized(
     settings: dict,
     tokenizer,
     samples_per_shard: int = 2048,
+    lock: bool = True,
 ) -> dict:
     """Append the `tokenized-*.jsonl` shards of `tokenized_dir` not packed yet as part `part`; returns the manifest.
 
-    The folder is locked for the whole call (a second writer is refused: `folder_lock`); its existing
+    The folder is locked for the whole call (a second writer is refused: `folder_lock`; `lock=False` when the
+    caller holds the lock already, as the CLI does from before it loads the tokenizer); its existing
     shards are checked against their sha256 and every new sample is checked (`sample_problem`) before
     anything is written.
 
@@ -195,6 +197,8 @@ def pack_tokenized(
     if not tokenized_dir.is_dir():
         raise ValueError(f"{tokenized_dir} is not a folder of tokenized-*.jsonl files (prepare-data's tokenized/).")
     check_output_folder(out)
+    if not lock:
+        return _pack_locked(tokenized_dir, out, part, settings, tokenizer, samples_per_shard)
     with folder_lock(out, "pack-data"):
         return _pack_locked(tokenized_dir, out, part, settings, tokenizer, samples_per_shard)
 

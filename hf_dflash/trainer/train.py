@@ -56,15 +56,51 @@ STARTED_RUN_NAME = "training_started.json"  # written first into output_dir: the
 TRAINER_STATE_NAME = "trainer_state.json"
 WEIGHT_NAMES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+_STARTED_TEMPORARY = re.compile(rf"^\.{re.escape(STARTED_RUN_NAME)}\..*\.tmp$")  # write_atomic's temporary file
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A key repeated in one YAML mapping."""
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a key repeated in one mapping: PyYAML keeps the last value without a word,
+    so `learning_rate: 1e-3` twice in a section trained with whichever came last. Keys merged in with `<<` may
+    still be overridden (that is what a merge is for)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first_line: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    line = first_line.setdefault(key, key_node.start_mark.line + 1)
+                except TypeError:  # an unhashable key: the base class names it
+                    continue
+                if line != key_node.start_mark.line + 1:
+                    raise DuplicateKeyError(
+                        f"key {key!r} appears twice in one mapping (lines {line} and {key_node.start_mark.line + 1}); "
+                        "YAML would keep the second value silently: delete the one you do not mean."
+                    )
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(path: str | Path):
+    """The YAML document in `path`, read safely; ValueError naming the file for invalid YAML or a repeated key."""
+    try:
+        return yaml.load(Path(path).read_text(encoding="utf-8"), Loader=UniqueKeyLoader)  # a SafeLoader
+    except DuplicateKeyError as error:
+        raise ValueError(f"{path}: {error}") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path} is not valid YAML: {error}") from None
 
 
 def load_train_config(path: str | Path) -> dict:
-    """Read the YAML training config and validate all of it (`validate_train_config`)."""
-    try:
-        config = yaml.safe_load(Path(path).read_text())
-    except yaml.YAMLError as error:
-        raise ValueError(f"{path} is not valid YAML: {error}") from None
-    return validate_train_config(config, str(path))
+    """Read the YAML training config (`read_yaml`: a repeated key is an error) and validate all of it
+    (`validate_train_config`)."""
+    return validate_train_config(read_yaml(path), str(path))
 
 
 def checkpoint_problem(folder: Path) -> str | None:
@@ -133,7 +169,10 @@ def output_dir_problem(output_dir: Path) -> str | None:
         return None
     if not output_dir.is_dir():
         return f"training.output_dir {output_dir} is a file, not a folder; give a new or empty folder."
-    held = sorted(path.name for path in output_dir.iterdir() if path.name != LOCK_NAME)  # the main process's lock
+    # the main process's lock, and its marker while it is being written (other processes of the same run look)
+    held = sorted(
+        path.name for path in output_dir.iterdir() if path.name != LOCK_NAME and not _STARTED_TEMPORARY.match(path.name)
+    )
     if not held or STARTED_RUN_NAME in held or FINISHED_RUN_NAME in held:
         return None
     if any(_CHECKPOINT.match(name) and (output_dir / name).is_dir() for name in held):
@@ -245,13 +284,19 @@ def train_from_config(config: dict, callbacks: list | None = None) -> DFlashTrai
             "or use a new output_dir."
         )
         return None
-    if (problem := output_dir_problem(output_dir)) is not None:
-        raise ValueError(problem)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ValueError(output_dir_problem(output_dir))
     # The card's base_model: the target as named in the config, not its cache folder.
     args = DFlashTrainingArguments(**{"target_name_or_path": config["target"], **config["training"]})
     if args.process_index != 0:  # the main process holds the folder's lock and writes the records
+        if (problem := output_dir_problem(output_dir)) is not None:
+            raise ValueError(problem)
         return _train(config, args, output_dir, callbacks)
+    # The lock first, then the look inside: a second run started at the same time is told that another process
+    # writes there (it used to see the first run's temporary marker and call the folder foreign).
     with folder_lock(output_dir, "training.output_dir"):
+        if (problem := output_dir_problem(output_dir)) is not None:
+            raise ValueError(problem)
         write_json_atomic(output_dir / STARTED_RUN_NAME, {"made_by": "hf-dflash train", "config": _json_config(config)})
         return _train(config, args, output_dir, callbacks)
 

@@ -4,15 +4,34 @@ Self-contained (imports only `transformers`): this file is copied verbatim into 
 remote code, next to `modeling_dflash.py`.
 """
 
+import math
 import numbers
 
 from transformers import PreTrainedConfig
+from transformers.activations import ACT2FN
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # A checkpoint's config.json must state these: the class defaults describe Qwen3-8B, and a drafter
 # run with another mask row or other target layers drafts garbage without any error.
 CHECKPOINT_REQUIRED_FIELDS = ("mask_token_id", "target_layer_ids")
 SILENT_FALLBACK = "engines and older loaders silently fall back to a default and acceptance collapses with no error"
+# Sizes that must be integers >= 1: a 0 died in a ZeroDivisionError inside Transformers or our code, a negative
+# one in a tensor allocation (num_key_value_heads and head_dim may be None: derived in __post_init__).
+POSITIVE_INT_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "num_target_layers",
+    "target_hidden_size",
+)
+# The largest block a drafter may be configured with: acceptance decays along the block (the paper trains 16),
+# and a block of 10**12 tokens was accepted and then allocated terabytes.
+MAX_BLOCK_SIZE = 1024
 # Official-layout (model_type "qwen3" + dflash_config) fields copied as they are.
 OFFICIAL_DECODER_FIELDS = (
     "hidden_size",
@@ -119,6 +138,37 @@ def strict_int(value, name: str, low: int | None = None) -> int:
     if low is not None and value < low:
         raise ValueError(f"{name}={value!r} must be >= {low}.")
     return int(value)
+
+
+def _check_positive_ints(config, names) -> None:
+    """Each of `names` set on `config` (None skipped) is an integer >= 1; else a ValueError naming it."""
+    for name in names:
+        value = getattr(config, name, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(
+                f"{name}={value!r} must be an integer >= 1; set it to the value the drafter was built with "
+                "(its config.json)."
+            )
+
+
+def _check_real(value, name: str, low: float, low_inclusive: bool, fix: str, high: float | None = None) -> None:
+    """`value` is a finite real number above `low` (or equal, when `low_inclusive`) and at most `high`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} must be a finite number; {fix}.")
+    if value < low or (value == low and not low_inclusive) or (high is not None and value > high):
+        bounds = f"{'>=' if low_inclusive else '>'} {low:g}" + (f" and <= {high:g}" if high is not None else "")
+        raise ValueError(f"{name}={value!r} must be {bounds}; {fix}.")
+
+
+def _rope_thetas(rope) -> list:
+    """The RoPE bases in `rope_parameters` (one dict, or one per layer type)."""
+    if not isinstance(rope, dict):
+        return []
+    if all(isinstance(value, dict) for value in rope.values()) and rope:
+        return [theta for value in rope.values() for theta in _rope_thetas(value)]
+    return [rope["rope_theta"]] if "rope_theta" in rope else []
 
 
 def _official_sliding_semantics(config: dict, dflash: dict, source: str) -> bool:
@@ -287,6 +337,8 @@ class DFlashConfig(PreTrainedConfig):
     block_size_policy: str | int | None = None
 
     def __post_init__(self, **kwargs):
+        # the sizes the defaults below divide by or repeat, before they are used
+        _check_positive_ints(self, ("hidden_size", "num_attention_heads", "num_hidden_layers", "num_target_layers"))
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -308,9 +360,41 @@ class DFlashConfig(PreTrainedConfig):
         self.validate_dflash()
 
     def validate_dflash(self) -> None:
-        """Raise a `ValueError` naming the first inconsistent DFlash field."""
+        """Raise a `ValueError` naming the first inconsistent or out-of-range field (and the fix)."""
+        _check_positive_ints(self, POSITIVE_INT_FIELDS)
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 2:
             raise ValueError(f"block_size must be an int >= 2 (anchor + at least one draft), got {self.block_size!r}.")
+        if self.block_size > min(MAX_BLOCK_SIZE, self.max_position_embeddings):
+            raise ValueError(
+                f"block_size={self.block_size} is larger than "
+                + (
+                    f"max_position_embeddings={self.max_position_embeddings} (the positions the model can hold)"
+                    if self.max_position_embeddings < MAX_BLOCK_SIZE
+                    else f"{MAX_BLOCK_SIZE}, the largest block hf_dflash serves or trains"
+                )
+                + "; set block_size to the block the drafter was trained with (16 in the paper)."
+            )
+        if self.hidden_act not in ACT2FN:
+            raise ValueError(
+                f"hidden_act={self.hidden_act!r} is not an activation Transformers knows "
+                "(transformers.activations.ACT2FN); set the drafter's own, e.g. 'silu' (Qwen3), 'gelu_pytorch_tanh' "
+                "or 'relu'."
+            )
+        _check_real(self.rms_norm_eps, "rms_norm_eps", 0.0, False, "RMSNorm divides by sqrt(mean + eps) (Qwen3: 1e-6)")
+        for theta in _rope_thetas(self.rope_parameters):
+            _check_real(theta, "rope_theta", 0.0, False, "set the RoPE base the drafter was trained with")
+        _check_real(self.attention_dropout, "attention_dropout", 0.0, True, "a probability (0.0 for inference)", 1.0)
+        _check_real(self.initializer_range, "initializer_range", 0.0, True, "the std of the initial weights (0.02)")
+        if self.sliding_window is not None and (
+            isinstance(self.sliding_window, bool)
+            or not isinstance(self.sliding_window, numbers.Integral)
+            or self.sliding_window < 0
+        ):
+            raise ValueError(
+                f"sliding_window={self.sliding_window!r} must be None or an integer >= 0 (tokens; 0 or None: no window)."
+            )
+        if not isinstance(self.attention_bias, bool):
+            raise ValueError(f"attention_bias must be true or false, got {self.attention_bias!r}.")
         ids = self.target_layer_ids
         if not ids:
             raise ValueError("target_layer_ids is empty; give at least one 0-based target layer index.")

@@ -8,6 +8,7 @@ interrupted-then-resumed run writes the same shards as an uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -169,6 +170,8 @@ def cache_features(
     batch_size: int = 4,
     shard_size_bytes: int = 256 * 2**20,
     target_name: str | None = None,
+    *,
+    lock: bool = True,
 ) -> Path:
     """Run `target` over every tokenised sample and store cat(h[i + 1] for i in target_layer_ids).
 
@@ -181,6 +184,8 @@ def cache_features(
         batch_size: samples per target forward (batched by similar length, right-padded).
         shard_size_bytes: a shard is closed once it holds at least this many bytes (whole batches).
         target_name: recorded in the index for humans (e.g. "smollm2-135m-instruct").
+        lock: hold `folder_lock(out_dir)` for the call; False when the caller holds it already (the CLI takes it
+            before it loads the target).
 
     Returns:
         `out_dir` as a Path; its `index.json` is written last, with `"complete": true`.
@@ -214,7 +219,8 @@ def cache_features(
     }
     files, samples = scan_tokenized(tokenized_dir, fingerprint["vocab_size"])
 
-    with folder_lock(out_dir, "cache-features"):  # one writer per cache folder (created)
+    # one writer per cache folder (created)
+    with folder_lock(out_dir, "cache-features") if lock else contextlib.nullcontext(out_dir):
         index_path, progress_path = out_dir / INDEX_FILE, out_dir / PROGRESS_FILE
         if index_path.is_file():
             check_same_cache(json.loads(index_path.read_text()), header, out_dir)
