@@ -22,7 +22,8 @@ file hands it a decoding method (`custom_generate` accepts a callable) that runs
 Greedy output is token-identical to plain greedy decoding (in fp32). Batch size 1; options this loop does
 not serve (beam search, several prompts, attentions or hidden states in the output, ...) raise a ValueError.
 The hf-dflash package runs a fuller loop (batches, trees, hybrid drafting) for `assistant_model=drafter`;
-the package imports `accepted_lengths` and `speculative_sample` from this file, so both share the rules.
+the package imports `drafter_pass`, `accepted_lengths` and `speculative_sample` from this file, so both run
+one drafter pass and share the acceptance rules.
 """
 
 import copy
@@ -80,6 +81,40 @@ def speculative_sample(
     residual = residual / total if total > 0 else target_probs[0, n]
     correction = torch.multinomial(residual, 1, generator=generator)
     return torch.cat([draft_tokens[0, :n], correction])[None]
+
+
+def drafter_pass(
+    drafter,
+    embedding,
+    cache,
+    bonus: torch.LongTensor,
+    context: torch.Tensor,
+    position_ids: torch.LongTensor,
+    block_length: int,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """ONE drafter pass over the block `[bonus, MASK x (block_length - 1)]` after the new `context` (the one pass
+    every DFlash loop of this project runs: this file's, the hf-dflash package's and its cost timing).
+
+    bonus (B,) each row's last committed token; context (B, C, n*Ht) target features of the tokens committed
+    since the last pass; position_ids (B, C + block_length); attention_mask (B, T + block_length) over the
+    drafter cache's slots, the new context and the block (None: every slot valid). `cache` keeps the context
+    only (the block is cropped: the next block replaces it). Returns (B, block_length - 1, H), the outputs of
+    the mask slots.
+    """
+    block_ids = torch.full(
+        (bonus.shape[0], block_length), drafter.config.mask_token_id, dtype=bonus.dtype, device=bonus.device
+    )
+    block_ids[:, 0] = bonus
+    hidden = drafter(
+        noise_embeds=embedding(block_ids),
+        context_hidden_states=context,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        cache=cache,
+    ).last_hidden_state
+    cache.crop(-block_length)
+    return hidden[:, 1:]
 
 
 def generate(model, assistant_model=None, streamer=None, **kwargs):
@@ -193,6 +228,51 @@ def keep_cache(cache, length: int) -> None:
         cache.crop(-extra)
 
 
+def target_inputs(model, sequence, drafts, first: bool, cache: dict, model_kwargs: dict) -> dict:
+    """The verification forward's inputs: the prefill reads the prompt, as plain decoding's first step does;
+    later rounds read [last committed token, drafts] after the cache, which holds every earlier token."""
+    if first:
+        inputs = model.prepare_inputs_for_generation(sequence, is_first_iteration=True, **model_kwargs)
+    else:
+        start = sequence.shape[1]
+        inputs = model.prepare_inputs_for_generation(
+            torch.cat([sequence[:, -1:], drafts], 1),
+            attention_mask=sequence.new_ones(1, start + drafts.shape[1]),
+            position_ids=torch.arange(start - 1, start + drafts.shape[1], device=sequence.device)[None],
+            use_cache=True,
+            **cache,
+        )
+    if "logits_to_keep" in inputs:
+        inputs["logits_to_keep"] = drafts.shape[1] + 1
+    return inputs
+
+
+def judge(logits_processor, sequence, drafts, draft_probs, logits, do_sample: bool):
+    """(processed logits (1, d+1, V), the tokens to commit (1, n+1)): the target's logits after each prefix
+    [sequence, drafts[:t]] processed as plain decoding does, then greedy acceptance or rejection sampling."""
+    start = sequence.shape[1]
+    extended = torch.cat([sequence, drafts], 1)
+    processed = torch.stack(
+        [logits_processor(extended[:, : start + t], logits[:, t]) for t in range(logits.shape[1])], 1
+    )
+    if do_sample and drafts.shape[1]:
+        return processed, speculative_sample(drafts, draft_probs, processed.softmax(-1))
+    if do_sample:
+        return processed, torch.multinomial(processed[:, 0].softmax(-1), 1)
+    target_tokens = processed.max(-1).indices
+    return processed, target_tokens[:, : int(accepted_lengths(drafts, target_tokens)[0]) + 1]
+
+
+def draft(drafter, lm_head, hidden, sequence, logits_processor, do_sample: bool):
+    """(drafts (1, d), the distributions they were sampled from (1, d, V) or None) from the drafter's outputs."""
+    if not do_sample:
+        return drafter.greedy_draft_tokens(hidden, lm_head), None
+    # drafts only need *a* distribution they are drawn from: each slot processed with the committed prefix
+    logits = drafter.draft_logits(hidden, lm_head).float()
+    probs = torch.stack([logits_processor(sequence, logits[:, t]) for t in range(logits.shape[1])], 1).softmax(-1)
+    return torch.multinomial(probs[0], 1).T, probs
+
+
 @torch.no_grad()
 def dflash_decoding(
     model,
@@ -227,45 +307,17 @@ def dflash_decoding(
     sequence, context, drafter_seen, drafts, draft_probs = input_ids, None, 0, input_ids[:, :0], None
     while True:
         start = sequence.shape[1]
-        if context is None:  # the prefill reads the prompt, as plain decoding's first step does
-            inputs = model.prepare_inputs_for_generation(sequence, is_first_iteration=True, **model_kwargs)
-        else:  # [last committed token, drafts] after the cache, which holds every earlier token
-            tokens = torch.cat([sequence[:, -1:], drafts], 1)
-            positions = torch.arange(start - 1, start + drafts.shape[1], device=sequence.device)[None]
-            inputs = model.prepare_inputs_for_generation(
-                tokens,
-                attention_mask=sequence.new_ones(1, start + drafts.shape[1]),
-                position_ids=positions,
-                use_cache=True,
-                **{cache_key: cache},
-            )
-        if "logits_to_keep" in inputs:
-            inputs["logits_to_keep"] = drafts.shape[1] + 1
+        inputs = target_inputs(model, sequence, drafts, context is None, {cache_key: cache}, model_kwargs)
         inputs["output_hidden_states"] = [i + 1 for i in layer_ids]
         outputs = model(**inputs)
-
-        # accept: the target's logits after each prefix [sequence, drafts[:t]], processed as plain decoding does
         logits = outputs.logits[:, -drafts.shape[1] - 1 :].float()
-        extended = torch.cat([sequence, drafts], 1)
-        processed = torch.stack(
-            [logits_processor(extended[:, : start + t], logits[:, t]) for t in range(logits.shape[1])], 1
-        )
-        if do_sample and drafts.shape[1]:
-            new_tokens = speculative_sample(drafts, draft_probs, processed.softmax(-1))
-        elif do_sample:
-            new_tokens = torch.multinomial(processed[:, 0].softmax(-1), 1)
-        else:
-            target_tokens = processed.max(-1).indices
-            new_tokens = target_tokens[:, : int(accepted_lengths(drafts, target_tokens)[0]) + 1]
-
+        processed, new_tokens = judge(logits_processor, sequence, drafts, draft_probs, logits, do_sample)
         # commit token by token up to the first stop
         stopped = False
         for t in range(new_tokens.shape[1]):
             sequence = torch.cat([sequence, new_tokens[:, t : t + 1]], 1)
-            if scores is not None:
-                scores += (processed[:, t],)
-            if raw_logits is not None:
-                raw_logits += (logits[:, t],)
+            scores = scores + (processed[:, t],) if scores is not None else None
+            raw_logits = raw_logits + (logits[:, t],) if raw_logits is not None else None
             if bool(stopping_criteria(sequence, scores).all()):
                 stopped = True
                 break
@@ -273,37 +325,19 @@ def dflash_decoding(
             streamer.put(sequence[:, start:].cpu())
         if stopped or sequence.shape[1] >= max_length:
             break
-
         # rollback: keep the cache of every committed token but the last; the drafter reads their features
         keep_cache(cache, sequence.shape[1] - 1)
         rows = sequence.shape[1] - 1 - (start - 1 if context is not None else 0)
-        features = torch.cat([outputs.hidden_states[i + 1][:, :rows] for i in layer_ids], -1)
-
+        context = torch.cat([outputs.hidden_states[i + 1][:, :rows] for i in layer_ids], -1)
         # draft: [last token, MASK x (block_size - 1)] at positions len - 1 ..., after the new context
         num_drafts = min(block_size - 1, max_length - sequence.shape[1] - 1)
-        context = features
         if num_drafts <= 0:
             drafts, draft_probs = sequence[:, :0], None
             continue
-        block = torch.full((1, block_size), config.mask_token_id, dtype=sequence.dtype, device=sequence.device)
-        block[:, 0] = sequence[:, -1]
         positions = torch.arange(drafter_seen, sequence.shape[1] - 1 + block_size, device=sequence.device)[None]
-        hidden = drafter(
-            noise_embeds=embedding(block),
-            context_hidden_states=context,
-            position_ids=positions,
-            cache=drafter_cache,
-        ).last_hidden_state[:, 1 : 1 + num_drafts]
-        drafter_cache.crop(-block_size)  # keep the context only; the next block replaces this one
+        hidden = drafter_pass(drafter, embedding, drafter_cache, sequence[:, -1], context, positions, block_size)
         drafter_seen = sequence.shape[1] - 1
-        if do_sample:
-            # drafts only need *a* distribution they are drawn from: each slot processed with the committed prefix
-            draft_logits = drafter.draft_logits(hidden, lm_head).float()
-            draft_logits = torch.stack([logits_processor(sequence, draft_logits[:, t]) for t in range(num_drafts)], 1)
-            draft_probs = draft_logits.softmax(-1)
-            drafts = torch.multinomial(draft_probs[0], 1).T
-        else:
-            drafts = drafter.greedy_draft_tokens(hidden, lm_head)
+        drafts, draft_probs = draft(drafter, lm_head, hidden[:, :num_drafts], sequence, logits_processor, do_sample)
 
     if streamer is not None:
         streamer.end()
