@@ -12,6 +12,8 @@ import contextlib
 import sys
 from collections.abc import Callable, Sequence
 
+from .generation.compiling import COMPILE_SETTINGS
+from .targets import DEFAULT_TARGET
 from .user_errors import run_reporting_errors
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
@@ -187,7 +189,7 @@ def register_cache_features(subparsers) -> None:
     parser = _command(subparsers, "cache-features", _run_cache_features)
     parser.add_argument("--data", required=True, help="folder of tokenized-*.jsonl files")
     parser.add_argument("--out", required=True, help="feature cache folder (created, or resumed)")
-    parser.add_argument("--target", default="smollm2-135m-instruct", help="a known target (default: %(default)s)")
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="a known target (default: %(default)s)")
     parser.add_argument(
         "--target-layer-ids",
         type=_layer_ids,
@@ -265,7 +267,7 @@ def register_prepare_data(subparsers) -> None:
         "--prompts", default=None, help='your JSONL prompts: {"prompt": str} or {"messages": [...]} per line'
     )
     parser.add_argument("--max-prompts", type=int, default=None, help="keep at most N prompts (seeded random choice)")
-    parser.add_argument("--target", default="smollm2-135m-instruct", help="a known target (default: %(default)s)")
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="a known target (default: %(default)s)")
     _add_dtype_argument(parser, "target dtype for regeneration")
     parser.add_argument(
         "--temperature", type=_non_negative_float, default=0.0, help="0 = greedy (default), > 0 samples"
@@ -421,7 +423,7 @@ def register_bench(subparsers) -> None:
     parser = _command(subparsers, "bench", _run_bench)
     parser.add_argument(
         "--target",
-        default="smollm2-135m-instruct",
+        default=DEFAULT_TARGET,
         help="a known target or a local model folder (default: %(default)s)",
     )
     parser.add_argument(
@@ -489,13 +491,18 @@ def register_generate(subparsers) -> None:
     parser.add_argument(
         "--overwrite", action="store_true", help="replace an existing --out file (never the --prompts file)"
     )
-    parser.add_argument("--target", default="smollm2-135m-instruct", help="known target name or local folder")
-    parser.add_argument("--drafter", default="random", help="drafter folder (either format), 'random' or 'none'")
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="known target name or local folder")
+    parser.add_argument(
+        "--drafter",
+        default=None,
+        help="drafter folder (either format), 'random' (untrained) or 'none' (plain decoding); default: the shipped "
+        f"drafter of {DEFAULT_TARGET}, required for other targets",
+    )
     parser.add_argument("--batch-size", type=int, default=8, help="rows per batch (default: 8)")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer (default: 256)")
     _add_dtype_argument(parser, "target and drafter dtype")
     parser.add_argument(
-        "--compile", default="auto", choices=("auto", "on", "off"),
+        "--compile", default="auto", choices=COMPILE_SETTINGS,
         help="static cache + torch.compile: 'auto' (default) compiles on accelerators, not on CPU; 'on' forces it; "
         "the run prints what was chosen and why",
     )  # fmt: skip
@@ -513,13 +520,10 @@ def _run_pack_data(args: argparse.Namespace) -> int:
     masks per shard, a manifest with the settings of each part, counts per source and sha256 per shard. Training
     reads OUT directly (data.tokenized: OUT).
     """
-    from pathlib import Path
-
     from transformers import AutoTokenizer
 
-    from .data.packed import check_part_name, pack_tokenized
+    from .data.packed import check_part_name, pack_tokenized, recorded_settings
     from .folder_lock import folder_lock
-    from .json_files import read_json_object
     from .output_paths import check_output_folder
     from .targets import default_cache_dir, get_spec, load_target
 
@@ -527,21 +531,7 @@ def _run_pack_data(args: argparse.Namespace) -> int:
     check_output_folder(args.out)
     if args.samples_per_shard < 1:
         raise ValueError(f"--samples-per-shard must be >= 1, got {args.samples_per_shard}.")
-    if not Path(args.tokenized).is_dir():
-        raise ValueError(f"--tokenized {args.tokenized} is not a folder (give prepare-data's tokenized/ folder).")
-    settings = {}
-    for key, folder in (("regeneration", args.responses), ("tokenization", args.tokenized), ("corpus", args.corpus)):
-        if folder is None:
-            continue
-        config = Path(folder) / "config.json"
-        if not config.is_file():
-            raise ValueError(
-                f"{config} does not exist: --{key if key != 'regeneration' else 'responses'} must be a "
-                "folder written by hf-dflash prepare-data (it records its settings in config.json)."
-            )
-        settings[key] = read_json_object(config, "settings")
-    if args.note:
-        settings["note"] = args.note
+    settings = recorded_settings(args.tokenized, args.responses, args.corpus, args.note)
     get_spec(args.target)
     with folder_lock(args.out, "pack-data"):  # a second writer is refused before the tokenizer loads
         folder = default_cache_dir() / args.target
@@ -573,9 +563,7 @@ def register_pack_data(subparsers) -> None:
     parser.add_argument("--responses", default=None, help="the run's responses/ folder (its settings are recorded)")
     parser.add_argument("--corpus", default=None, help="the run's corpus/ folder (its settings are recorded)")
     parser.add_argument("--note", default=None, help="free text recorded with the part (machine, command)")
-    parser.add_argument(
-        "--target", default="smollm2-135m-instruct", help="the known target whose tokenizer made the ids"
-    )
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="the known target whose tokenizer made the ids")
     parser.add_argument("--samples-per-shard", type=int, default=2048, help="samples per packed shard (default: 2048)")
 
 

@@ -13,7 +13,7 @@ from transformers import TextStreamer
 from .bench.divergence import first_divergence
 from .checkpoints import load_drafter
 from .dtypes import resolve_dtype
-from .targets import DEFAULT_TARGET, load_target
+from .targets import DEFAULT_TARGET, SHIPPED_DRAFTERS, load_target
 
 # In half precision a k-token verification forward may round a near-tie between the target's top two
 # tokens differently from a 1-token decode step. A first difference at a smaller top-2 logit gap is
@@ -21,7 +21,7 @@ from .targets import DEFAULT_TARGET, load_target
 NEAR_TIE_LOGIT_GAP = 0.5
 
 # The drafter that ships with the repository (a source checkout or an editable install).
-SHIPPED_DRAFTER = Path(__file__).resolve().parent.parent / "models" / "smollm2-135m-instruct-dflash"
+SHIPPED_DRAFTER = SHIPPED_DRAFTERS[DEFAULT_TARGET]
 
 DEMO_PROMPTS = {
     "math": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "

@@ -88,8 +88,9 @@ def run_generate(args) -> dict:
     """The CLI entry: load target and drafter (`--drafter random|PATH|none`) like `hf-dflash bench`."""
     from .bench.loading import RANDOM_DRAFTER, load_bench_models
     from .generation.adaptive import parse_block_size_policy
-    from .targets import resolve_device
+    from .targets import resolve_device, shipped_drafter
 
+    drafter_path = str(shipped_drafter(args.target)) if args.drafter is None else args.drafter
     read_prompts_file(args.prompts, require_prompts=True)  # a bad prompts file fails before any model loads
     check_new_file(args.out, overwrite=args.overwrite, inputs={"--prompts": args.prompts})  # and a bad --out
     if args.batch_size < 1:
@@ -101,8 +102,8 @@ def run_generate(args) -> dict:
     with path_lock(args.out, "generate --out", kind="file"):
         device = resolve_device(None)  # where load_bench_models puts the models
         compiled, why = choose_compile(args.compile, device)
-        models = load_bench_models(args.target, RANDOM_DRAFTER if args.drafter == "none" else args.drafter, args.dtype)
-        drafter = None if args.drafter == "none" else models.drafter
+        models = load_bench_models(args.target, RANDOM_DRAFTER if drafter_path == "none" else drafter_path, args.dtype)
+        drafter = None if drafter_path == "none" else models.drafter
         if drafter is not None:
             drafter.block_size_policy = parse_block_size_policy(args.block_size_policy, drafter.config.block_size)
         print(f"compile: {why}")

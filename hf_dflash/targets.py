@@ -43,6 +43,7 @@ __all__ = [
     "default_cache_dir",
     "load_target",
     "locate_gguf",
+    "shipped_drafter",
 ]
 
 CACHE_ENV_VAR = "HF_DFLASH_CACHE"
@@ -84,6 +85,20 @@ class TargetSpec:
 
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
+
+# The drafters this repository ships, per target (models/): what the demo and `hf-dflash generate` use by default.
+SHIPPED_DRAFTERS = {DEFAULT_TARGET: Path(__file__).resolve().parent.parent / "models" / "smollm2-135m-instruct-dflash"}
+
+
+def shipped_drafter(target: str) -> Path:
+    """The drafter shipped for `target`; ValueError naming the choices when there is none."""
+    if target not in SHIPPED_DRAFTERS:
+        raise ValueError(
+            f"No drafter is shipped for target {target!r} (only for {', '.join(SHIPPED_DRAFTERS)}): pass --drafter "
+            "with a drafter folder, 'random' (an untrained one) or 'none' (plain decoding)."
+        )
+    return SHIPPED_DRAFTERS[target]
+
 
 KNOWN_TARGETS: dict[str, TargetSpec] = {
     "smollm2-135m-instruct": TargetSpec(

@@ -159,3 +159,17 @@ def test_compile_auto_is_eager_on_cpu_and_compiled_on_cuda():
     assert choose_compile("off", "cuda") == (False, "off")
     with pytest.raises(ValueError, match="--compile must be one of auto, on, off"):
         choose_compile("yes", "cpu")
+
+
+def test_the_drafter_defaults_to_the_shipped_one_and_is_required_where_none_is_shipped(tmp_path, capsys):
+    """No untrained drafter by default: the default target gets the drafter in models/, any other target must name
+    one (before any model loads: the target 'nope' would fail later)."""
+    from hf_dflash.targets import DEFAULT_TARGET, SHIPPED_DRAFTERS, shipped_drafter
+
+    assert shipped_drafter(DEFAULT_TARGET) == SHIPPED_DRAFTERS[DEFAULT_TARGET]
+    assert (SHIPPED_DRAFTERS[DEFAULT_TARGET] / "config.json").is_file()
+    prompts = write_lines(tmp_path / "prompts.jsonl", PROMPTS)
+    argv = ["generate", "--prompts", str(prompts), "--target", "nope", "--out", str(tmp_path / "out.jsonl")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "hf-dflash generate: error: No drafter is shipped for target 'nope'" in err and "'random'" in err, err

@@ -42,6 +42,59 @@ def bench_command_line(options: dict) -> str:
     return shlex.join(parts)
 
 
+def load_run_models(options: dict, block_size_policy: str):
+    """(models, the target in the other dtype for `plain-alt` or None, the dtype of each plain method)."""
+    target, dtype = options["target"], options["dtype"]
+    models = load_bench_models(target, options["drafter"], dtype=dtype, device=options["device"], seed=options["seed"])
+    alt_target = None
+    dtypes = {"plain": dtype_name(models.target.dtype)}
+    if "plain-alt" in options["methods"]:
+        alt_dtype = other_dtype(models.target.dtype)
+        alt_target = load_bench_target(target, alt_dtype)[0].to(models.target.device)
+        dtypes["plain-alt"] = dtype_name(alt_dtype)
+    models.drafter.block_size_policy = parse_block_size_policy(block_size_policy, models.drafter.config.block_size)
+    return models, alt_target, dtypes
+
+
+def report_settings(
+    options: dict,
+    models,
+    block_size_policy: str,
+    dtype_note: str,
+    dtypes: dict,
+    warmup_seconds: dict,
+    prompts_run: dict,
+) -> dict:
+    """The settings a report records: the run's options as they resolved on the models loaded."""
+    temperature = options["temperature"]
+    return {
+        "target": options["target"],
+        "drafter": models.drafter_description,
+        "block_size": models.drafter.config.block_size,
+        # our DFlash method only (the built-in loop uses block_size); "recommended" resolved to the config's
+        "block_size_policy": block_size_policy
+        if block_size_policy != "recommended"
+        else f"recommended: {models.drafter.config.block_size_policy or 'trained'}",
+        "dtype": dtype_name(models.target.dtype),
+        "dtype_choice": dtype_note,
+        "dtypes": dtypes,  # per plain method; every other method runs in "dtype"
+        # each method's first (untimed) call of the run: plain-compiled's compile, reported apart from tok/s
+        "warmup_seconds": {method: round(seconds, 2) for method, seconds in warmup_seconds.items()},
+        "device": options["device"],
+        "max_new_tokens": options["max_new_tokens"],
+        "temperature": temperature,
+        "seed": options["seed"],
+        "num_prompts": options["num_prompts"],
+        "prompts_run": prompts_run,  # {set: [run, of]}
+        "methods": list(options["methods"]),
+        "prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS,
+        "order": "all methods on each prompt before the next, method order rotated per prompt",
+        "identity_check": "token for token against plain greedy"
+        if temperature <= 0
+        else "not applicable: sampling (temperature > 0), outputs legitimately differ",
+    }
+
+
 def run_bench(
     target: str,
     drafter: str,
@@ -87,16 +140,9 @@ def run_bench(
     # One writer per folder, and the lock file is the write probe: a second bench into OUT, or an OUT that
     # cannot be written, is refused before any model loads (both used to lose the run at the end).
     with folder_lock(out, "bench --out"):
-        models = load_bench_models(target, drafter, dtype=dtype, device=device, seed=seed)
+        models, alt_target, dtypes = load_run_models(options, block_size_policy)
         options["device"] = str(models.target.device)
         dtype_note = describe_dtype(dtype, models.target.device)
-        alt_target = None
-        dtypes = {"plain": dtype_name(models.target.dtype)}
-        if "plain-alt" in methods:
-            alt_dtype = other_dtype(models.target.dtype)
-            alt_target = load_bench_target(target, alt_dtype)[0].to(models.target.device)
-            dtypes["plain-alt"] = dtype_name(alt_dtype)
-        models.drafter.block_size_policy = parse_block_size_policy(block_size_policy, models.drafter.config.block_size)
         print(
             f"Target: {target} ({dtype_note}, {models.target.device}). Drafter: {models.drafter_description}.\n"
             f"Prompts run: {prompts_run_line(prompts_run)}"
@@ -117,32 +163,7 @@ def run_bench(
             alt_target=alt_target,
             warmup_seconds=warmup_seconds,
         )
-        settings = {
-            "target": target,
-            "drafter": models.drafter_description,
-            "block_size": models.drafter.config.block_size,
-            # our DFlash method only (the built-in loop uses block_size); "recommended" resolved to the config's
-            "block_size_policy": block_size_policy
-            if block_size_policy != "recommended"
-            else f"recommended: {models.drafter.config.block_size_policy or 'trained'}",
-            "dtype": dtype_name(models.target.dtype),
-            "dtype_choice": dtype_note,
-            "dtypes": dtypes,  # per plain method; every other method runs in "dtype"
-            # each method's first (untimed) call of the run: plain-compiled's compile, reported apart from tok/s
-            "warmup_seconds": {method: round(seconds, 2) for method, seconds in warmup_seconds.items()},
-            "device": options["device"],
-            "max_new_tokens": max_new_tokens,
-            "temperature": temperature,
-            "seed": seed,
-            "num_prompts": num_prompts,
-            "prompts_run": prompts_run,  # {set: [run, of]}
-            "methods": list(methods),
-            "prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS,
-            "order": "all methods on each prompt before the next, method order rotated per prompt",
-            "identity_check": "token for token against plain greedy"
-            if temperature <= 0
-            else "not applicable: sampling (temperature > 0), outputs legitimately differ",
-        }
+        settings = report_settings(options, models, block_size_policy, dtype_note, dtypes, warmup_seconds, prompts_run)
         summary = summarize(samples, methods, models.drafter.config.block_size)
         report = build_report(
             summary, samples, bench_command_line(options), machine_description(models.target.device), settings

@@ -97,6 +97,20 @@ def compare_turn(
     return samples
 
 
+def warm_up(methods, slots: dict, compiled_lengths: dict, first: bool, warmup_seconds: dict | None, run) -> None:
+    """Untimed warm-up calls (`run(method)` returns its seconds, added to `warmup_seconds`): every method before
+    its first prompt (allocations, kernel selection), and a compiled method at each new static cache length
+    (`slots`: its length for this prompt; `compiled_lengths`: those compiled so far), which compiles a graph."""
+    for method in methods:
+        compiled = compiled_lengths.setdefault(method, set())
+        if not first and (method not in slots or slots[method] in compiled):
+            continue
+        seconds = run(method)
+        compiled.add(slots.get(method))
+        if warmup_seconds is not None:
+            warmup_seconds[method] = warmup_seconds.get(method, 0.0) + seconds
+
+
 def run_benchmark(
     target,
     tokenizer,
@@ -150,19 +164,13 @@ def run_benchmark(
                     for method in methods
                     if method in COMPILED_METHODS
                 }
-                # The first calls pay one-time costs (allocations, kernel selection); a compiled method's first
-                # call at each static cache length compiles its graph.
-                for method in methods:
-                    compiled = compiled_lengths.setdefault(method, set())
-                    if warm and (method not in slots or slots[method] in compiled):
-                        continue
-                    warmup = generate_with(
+                warm_up(
+                    methods, slots, compiled_lengths, not warm, warmup_seconds,
+                    lambda method, inputs=inputs, slots=slots: generate_with(
                         method, model_for(method), drafter, inputs, {**settings, "max_new_tokens": WARMUP_TOKENS},
                         slots=slots.get(method),
-                    )  # fmt: skip
-                    compiled.add(slots.get(method))
-                    if warmup_seconds is not None:
-                        warmup_seconds[method] = warmup_seconds.get(method, 0.0) + warmup.seconds
+                    ).seconds,
+                )  # fmt: skip
                 warm = True
                 generations = {}
                 for method in rotated(methods, index):

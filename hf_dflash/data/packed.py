@@ -31,7 +31,7 @@ from safetensors.torch import save
 from torch.utils.data import Dataset
 
 from ..folder_lock import folder_lock
-from ..json_files import write_atomic
+from ..json_files import read_json_object, write_atomic
 from ..output_paths import check_output_folder
 from ..packaged_files import file_sha256
 from .tokenize import chat_template_sha256
@@ -155,6 +155,31 @@ def read_tokenized_file(path: Path, vocab_size: int) -> list[dict]:
                 raise ValueError(f"{path}:{number}{name}: {problem}. Nothing was packed; fix or re-tokenise it.")
             samples.append(sample)
     return samples
+
+
+def recorded_settings(tokenized, responses=None, corpus=None, note: str | None = None) -> dict:
+    """The settings a packed part records: those of the prepare-data folders that made it (each folder's
+    config.json), and a free-text note. ValueError naming the folder when one is not prepare-data's."""
+    if not Path(tokenized).is_dir():
+        raise ValueError(f"--tokenized {tokenized} is not a folder (give prepare-data's tokenized/ folder).")
+    settings = {}
+    for key, option, folder in (
+        ("regeneration", "responses", responses),
+        ("tokenization", "tokenized", tokenized),
+        ("corpus", "corpus", corpus),
+    ):
+        if folder is None:
+            continue
+        config = Path(folder) / "config.json"
+        if not config.is_file():
+            raise ValueError(
+                f"{config} does not exist: --{option} must be a folder written by hf-dflash prepare-data (it records "
+                "its settings in config.json)."
+            )
+        settings[key] = read_json_object(config, "settings")
+    if note:
+        settings["note"] = note
+    return settings
 
 
 def check_part_name(part) -> None:

@@ -186,6 +186,15 @@ def record_replies(tokenizer, rows: list[dict], indices: list[int], replies: lis
         rows[i]["finished"].append(bool(reply) and reply[-1] in eos_ids)
 
 
+def check_regeneration_settings(temperature: float, **counts: int) -> None:
+    """ValueError naming a count below 1 or a negative temperature."""
+    for name, value in counts.items():
+        if value < 1:
+            raise ValueError(f"{name} must be positive, got {value}.")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}.")
+
+
 def regenerate_responses(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -215,16 +224,8 @@ def regenerate_responses(
         ValueError: a bad setting, or `out_dir` holds shards made with other settings or prompts, or
             another process is writing to it (`folder_lock`).
     """
-    for name, value in (
-        ("max_new_tokens", max_new_tokens),
-        ("batch_size", batch_size),
-        ("shard_size", shard_size),
-        ("max_prompt_tokens", max_prompt_tokens),
-    ):
-        if value < 1:
-            raise ValueError(f"{name} must be positive, got {value}.")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}.")
+    settings = {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "shard_size": shard_size}
+    check_regeneration_settings(temperature, max_prompt_tokens=max_prompt_tokens, **settings)
     out_dir = Path(out_dir)
     fingerprint = hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()
     with folder_lock(out_dir, "regeneration"):  # one writer per responses folder
@@ -236,9 +237,7 @@ def regenerate_responses(
                 "prompts_sha256": fingerprint,
                 "num_prompts": len(prompts),
                 "temperature": temperature,
-                "max_new_tokens": max_new_tokens,
-                "batch_size": batch_size,
-                "shard_size": shard_size,
+                **settings,
                 "max_prompt_tokens": max_prompt_tokens,
                 "seed": seed,
             },

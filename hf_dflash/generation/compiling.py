@@ -40,14 +40,14 @@ def choose_compile(setting: str, device: torch.device | str) -> tuple[bool, str]
     """(compile or not, why) for `--compile auto|on|off`.
 
     `auto` follows Transformers' own default: compiled on accelerators (CUDA graphs remove the launch and
-    Python overhead of a round's small kernels), eager on CPU: on a 2-core Zen 4 compiled DFlash was 1.16x
-    eager in fp32 and 1.03x in bf16, after 40-85 s of compile per static cache length (docs/results.md,
-    "Static cache and torch.compile"), which only long runs win back."""
+    Python overhead of a round's small kernels), eager on CPU, where each static cache length first costs
+    35-48 s of compile (2-core Zen 4): it pays back only over long runs, where it is worth 1.14x (bf16, the v5
+    README bench: compiled DFlash 1.68x the fastest plain, eager 1.47x; docs/results.md)."""
     if setting not in COMPILE_SETTINGS:
         raise ValueError(f"--compile must be one of {', '.join(COMPILE_SETTINGS)}, got {setting!r}.")
     device_type = torch.device(device).type
     if setting == "auto":
         if device_type == "cpu":
-            return False, "auto: eager on CPU (a compile costs ~1 min per cache length for a few % here; --compile on)"
+            return False, "auto: eager on CPU (each cache length compiles for ~40 s first, then ~1.14x: --compile on)"
         return True, f"auto: compiled on {device_type} (static cache, CUDA graphs)"
     return setting == "on", setting

@@ -279,6 +279,108 @@ def choose_mask_token_id(vocab_size: int, tokenizer=None) -> int:
     return vocab_size - 1
 
 
+def _check_block_and_sizes(config) -> None:
+    """Sizes >= 1, a block the positions can hold, an activation Transformers knows."""
+    _check_positive_ints(config, POSITIVE_INT_FIELDS)
+    if not isinstance(config.block_size, int) or isinstance(config.block_size, bool) or config.block_size < 2:
+        raise ValueError(f"block_size must be an int >= 2 (anchor + at least one draft), got {config.block_size!r}.")
+    if config.block_size > min(MAX_BLOCK_SIZE, config.max_position_embeddings):
+        raise ValueError(
+            f"block_size={config.block_size} is larger than "
+            + (
+                f"max_position_embeddings={config.max_position_embeddings} (the positions the model can hold)"
+                if config.max_position_embeddings < MAX_BLOCK_SIZE
+                else f"{MAX_BLOCK_SIZE}, the largest block hf_dflash serves or trains"
+            )
+            + "; set block_size to the block the drafter was trained with (16 in the paper)."
+        )
+    if config.hidden_act not in ACT2FN:
+        raise ValueError(
+            f"hidden_act={config.hidden_act!r} is not an activation Transformers knows "
+            "(transformers.activations.ACT2FN); set the drafter's own, e.g. 'silu' (Qwen3), 'gelu_pytorch_tanh' "
+            "or 'relu'."
+        )
+
+
+def _check_numerics(config) -> None:
+    """Finite, positive norms and RoPE bases; dropout and initialiser ranges; sliding window and bias flags."""
+    _check_real(config.rms_norm_eps, "rms_norm_eps", 0.0, False, "RMSNorm divides by sqrt(mean + eps) (Qwen3: 1e-6)")
+    for theta in _rope_thetas(config.rope_parameters):
+        _check_real(theta, "rope_theta", 0.0, False, "set the RoPE base the drafter was trained with")
+    _check_real(config.attention_dropout, "attention_dropout", 0.0, True, "a probability (0.0 for inference)", 1.0)
+    _check_real(config.initializer_range, "initializer_range", 0.0, True, "the std of the initial weights (0.02)")
+    if config.sliding_window is not None and (
+        isinstance(config.sliding_window, bool)
+        or not isinstance(config.sliding_window, numbers.Integral)
+        or config.sliding_window < 0
+    ):
+        raise ValueError(
+            f"sliding_window={config.sliding_window!r} must be None or an integer >= 0 (tokens; 0 or None: no window)."
+        )
+    if not isinstance(config.attention_bias, bool):
+        raise ValueError(f"attention_bias must be true or false, got {config.attention_bias!r}.")
+
+
+def _check_target_fields(config) -> None:
+    """The target layers read and the mask token, against the target."""
+    ids = config.target_layer_ids
+    if not ids:
+        raise ValueError("target_layer_ids is empty; give at least one 0-based target layer index.")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"target_layer_ids {ids} contains duplicates.")
+    bad = [i for i in ids if not 0 <= i < config.num_target_layers]
+    if bad:
+        raise ValueError(
+            f"target_layer_ids {ids} has {bad} outside [0, num_target_layers={config.num_target_layers}): "
+            "ids are 0-based target decoder layers (hidden_states[i + 1])."
+        )
+    if config.mask_token_id is None:
+        raise ValueError(
+            "mask_token_id is missing: set it to an unused row of the target's embedding "
+            "(see choose_mask_token_id); without it acceptance collapses silently."
+        )
+    strict_int(config.mask_token_id, "mask_token_id")
+    if not 0 <= config.mask_token_id < config.vocab_size:
+        raise ValueError(
+            f"mask_token_id={config.mask_token_id} is outside the target embedding [0, vocab_size={config.vocab_size})."
+        )
+
+
+def _check_layout(config) -> None:
+    """Heads that group, one known type per layer, a draft vocabulary within the target's, a block size policy the
+    block allows, windows set where layers slide."""
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ValueError(
+            f"num_attention_heads={config.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads={config.num_key_value_heads}."
+        )
+    if len(config.layer_types) != config.num_hidden_layers or set(config.layer_types) - set(LAYER_TYPES):
+        raise ValueError(
+            f"layer_types {config.layer_types} must list one of {LAYER_TYPES} for each of the "
+            f"{config.num_hidden_layers} layers."
+        )
+    if config.draft_vocab_size is not None and (
+        not isinstance(config.draft_vocab_size, int)
+        or isinstance(config.draft_vocab_size, bool)
+        or not 1 <= config.draft_vocab_size <= config.vocab_size
+    ):
+        raise ValueError(
+            f"draft_vocab_size={config.draft_vocab_size!r} must be an int in [1, vocab_size={config.vocab_size}] "
+            "(or None for the whole vocabulary)."
+        )
+    policy = config.block_size_policy
+    fixed = isinstance(policy, int) and not isinstance(policy, bool) and 2 <= policy <= config.block_size
+    if policy is not None and policy != "adaptive" and not fixed:
+        raise ValueError(
+            f"block_size_policy={policy!r} must be None (the trained block size), 'adaptive', or an int k "
+            f"with 2 <= k <= block_size={config.block_size}."
+        )
+    if "sliding_attention" in config.layer_types and not config.sliding_window:
+        raise ValueError("layer_types has sliding_attention layers but sliding_window is not set.")
+    if not isinstance(config.sliding_window_non_causal, bool):
+        raise ValueError(f"sliding_window_non_causal must be true or false, got {config.sliding_window_non_causal!r}.")
+
+
 class DFlashConfig(PreTrainedConfig):
     r"""Configuration of a [`DFlashDraftModel`].
 
@@ -361,93 +463,8 @@ class DFlashConfig(PreTrainedConfig):
 
     def validate_dflash(self) -> None:
         """Raise a `ValueError` naming the first inconsistent or out-of-range field (and the fix)."""
-        _check_positive_ints(self, POSITIVE_INT_FIELDS)
-        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 2:
-            raise ValueError(f"block_size must be an int >= 2 (anchor + at least one draft), got {self.block_size!r}.")
-        if self.block_size > min(MAX_BLOCK_SIZE, self.max_position_embeddings):
-            raise ValueError(
-                f"block_size={self.block_size} is larger than "
-                + (
-                    f"max_position_embeddings={self.max_position_embeddings} (the positions the model can hold)"
-                    if self.max_position_embeddings < MAX_BLOCK_SIZE
-                    else f"{MAX_BLOCK_SIZE}, the largest block hf_dflash serves or trains"
-                )
-                + "; set block_size to the block the drafter was trained with (16 in the paper)."
-            )
-        if self.hidden_act not in ACT2FN:
-            raise ValueError(
-                f"hidden_act={self.hidden_act!r} is not an activation Transformers knows "
-                "(transformers.activations.ACT2FN); set the drafter's own, e.g. 'silu' (Qwen3), 'gelu_pytorch_tanh' "
-                "or 'relu'."
-            )
-        _check_real(self.rms_norm_eps, "rms_norm_eps", 0.0, False, "RMSNorm divides by sqrt(mean + eps) (Qwen3: 1e-6)")
-        for theta in _rope_thetas(self.rope_parameters):
-            _check_real(theta, "rope_theta", 0.0, False, "set the RoPE base the drafter was trained with")
-        _check_real(self.attention_dropout, "attention_dropout", 0.0, True, "a probability (0.0 for inference)", 1.0)
-        _check_real(self.initializer_range, "initializer_range", 0.0, True, "the std of the initial weights (0.02)")
-        if self.sliding_window is not None and (
-            isinstance(self.sliding_window, bool)
-            or not isinstance(self.sliding_window, numbers.Integral)
-            or self.sliding_window < 0
-        ):
-            raise ValueError(
-                f"sliding_window={self.sliding_window!r} must be None or an integer >= 0 (tokens; 0 or None: no window)."
-            )
-        if not isinstance(self.attention_bias, bool):
-            raise ValueError(f"attention_bias must be true or false, got {self.attention_bias!r}.")
-        ids = self.target_layer_ids
-        if not ids:
-            raise ValueError("target_layer_ids is empty; give at least one 0-based target layer index.")
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"target_layer_ids {ids} contains duplicates.")
-        bad = [i for i in ids if not 0 <= i < self.num_target_layers]
-        if bad:
-            raise ValueError(
-                f"target_layer_ids {ids} has {bad} outside [0, num_target_layers={self.num_target_layers}): "
-                "ids are 0-based target decoder layers (hidden_states[i + 1])."
-            )
-        if self.mask_token_id is None:
-            raise ValueError(
-                "mask_token_id is missing: set it to an unused row of the target's embedding "
-                "(see choose_mask_token_id); without it acceptance collapses silently."
-            )
-        strict_int(self.mask_token_id, "mask_token_id")
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(
-                f"mask_token_id={self.mask_token_id} is outside the target embedding [0, vocab_size={self.vocab_size})."
-            )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}."
-            )
-        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - set(LAYER_TYPES):
-            raise ValueError(
-                f"layer_types {self.layer_types} must list one of {LAYER_TYPES} for each of the "
-                f"{self.num_hidden_layers} layers."
-            )
-        if self.draft_vocab_size is not None and (
-            not isinstance(self.draft_vocab_size, int)
-            or isinstance(self.draft_vocab_size, bool)
-            or not 1 <= self.draft_vocab_size <= self.vocab_size
-        ):
-            raise ValueError(
-                f"draft_vocab_size={self.draft_vocab_size!r} must be an int in [1, vocab_size={self.vocab_size}] "
-                "(or None for the whole vocabulary)."
-            )
-        policy = self.block_size_policy
-        fixed = isinstance(policy, int) and not isinstance(policy, bool) and 2 <= policy <= self.block_size
-        if policy is not None and policy != "adaptive" and not fixed:
-            raise ValueError(
-                f"block_size_policy={policy!r} must be None (the trained block size), 'adaptive', or an int k "
-                f"with 2 <= k <= block_size={self.block_size}."
-            )
-        if "sliding_attention" in self.layer_types and not self.sliding_window:
-            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set.")
-        if not isinstance(self.sliding_window_non_causal, bool):
-            raise ValueError(
-                f"sliding_window_non_causal must be true or false, got {self.sliding_window_non_causal!r}."
-            )
+        for check in (_check_block_and_sizes, _check_numerics, _check_target_fields, _check_layout):
+            check(self)
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs) -> "DFlashConfig":

@@ -197,16 +197,7 @@ def cache_features(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
     fingerprint = target_fingerprint(target)
-    num_layers = fingerprint["num_hidden_layers"]
-    if (
-        not target_layer_ids
-        or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in target_layer_ids)
-        or len(set(target_layer_ids)) != len(target_layer_ids)
-    ):
-        raise ValueError(
-            f"target_layer_ids={target_layer_ids} must be distinct, non-empty 0-based decoder layers of a "
-            f"{num_layers}-layer target (0..{num_layers - 1})."
-        )
+    check_layer_ids(target_layer_ids, fingerprint["num_hidden_layers"])
     header = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -221,22 +212,7 @@ def cache_features(
 
     # one writer per cache folder (created)
     with folder_lock(out_dir, "cache-features") if lock else contextlib.nullcontext(out_dir):
-        index_path, progress_path = out_dir / INDEX_FILE, out_dir / PROGRESS_FILE
-        if index_path.is_file():
-            check_same_cache(json.loads(index_path.read_text()), header, out_dir)
-            done = recover_progress(out_dir)
-        else:
-            done = {"shards": {}, "samples": {}}
-            write_json_atomic(index_path, {**header, "shards": {}, "samples": {}})
-            progress_path.unlink(missing_ok=True)
-        for sample in samples:
-            cached = done["samples"].get(sample["id"])
-            if cached is not None and cached["length"] != sample["length"]:
-                raise ValueError(
-                    f"Sample {sample['id']!r} now has {sample['length']} tokens but was cached with {cached['length']}: "
-                    f"the tokenised data changed; delete {out_dir} and re-run hf-dflash cache-features."
-                )
-
+        done = start_or_resume(out_dir, header, samples)
         target.eval()
         pending: dict[str, torch.Tensor] = {}
         pending_samples: dict[str, dict] = {}
@@ -259,23 +235,60 @@ def cache_features(
             if pending:
                 flush_shard(out_dir, done, pending, pending_samples)
 
-        located = {sample["id"]: sample for sample in samples}
-        index = {
-            **header,
-            "complete": True,
-            "tokenized_files": files,
-            "num_samples": len(samples),
-            "num_tokens": sum(sample["length"] for sample in samples),
-            "shards": dict(sorted(done["shards"].items())),
-            "samples": {
-                sample_id: {**entry, "file": located[sample_id]["file"], "offset": located[sample_id]["offset"]}
-                for sample_id, entry in done["samples"].items()
-                if sample_id in located
-            },
-        }
-        write_json_atomic(index_path, index)
-        progress_path.unlink(missing_ok=True)
+        write_json_atomic(out_dir / INDEX_FILE, complete_index(header, files, samples, done))
+        (out_dir / PROGRESS_FILE).unlink(missing_ok=True)
     return out_dir
+
+
+def check_layer_ids(target_layer_ids: list[int], num_layers: int) -> None:
+    if (
+        not target_layer_ids
+        or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in target_layer_ids)
+        or len(set(target_layer_ids)) != len(target_layer_ids)
+    ):
+        raise ValueError(
+            f"target_layer_ids={target_layer_ids} must be distinct, non-empty 0-based decoder layers of a "
+            f"{num_layers}-layer target (0..{num_layers - 1})."
+        )
+
+
+def start_or_resume(out_dir: Path, header: dict, samples: list[dict]) -> dict:
+    """What the cache folder already holds ({"shards", "samples"}): an unfinished run of the same cache is resumed,
+    a new one starts its index; ValueError when a cached sample's length changed (the data was re-tokenised)."""
+    index_path = out_dir / INDEX_FILE
+    if index_path.is_file():
+        check_same_cache(json.loads(index_path.read_text()), header, out_dir)
+        done = recover_progress(out_dir)
+    else:
+        done = {"shards": {}, "samples": {}}
+        write_json_atomic(index_path, {**header, "shards": {}, "samples": {}})
+        (out_dir / PROGRESS_FILE).unlink(missing_ok=True)
+    for sample in samples:
+        cached = done["samples"].get(sample["id"])
+        if cached is not None and cached["length"] != sample["length"]:
+            raise ValueError(
+                f"Sample {sample['id']!r} now has {sample['length']} tokens but was cached with {cached['length']}: "
+                f"the tokenised data changed; delete {out_dir} and re-run hf-dflash cache-features."
+            )
+    return done
+
+
+def complete_index(header: dict, files, samples: list[dict], done: dict) -> dict:
+    """The index of a finished cache: every sample's shard entry and where its tokens are."""
+    located = {sample["id"]: sample for sample in samples}
+    return {
+        **header,
+        "complete": True,
+        "tokenized_files": files,
+        "num_samples": len(samples),
+        "num_tokens": sum(sample["length"] for sample in samples),
+        "shards": dict(sorted(done["shards"].items())),
+        "samples": {
+            sample_id: {**entry, "file": located[sample_id]["file"], "offset": located[sample_id]["offset"]}
+            for sample_id, entry in done["samples"].items()
+            if sample_id in located
+        },
+    }
 
 
 def flush_shard(out_dir: Path, done: dict, tensors: dict[str, torch.Tensor], samples: dict[str, dict]) -> None:
