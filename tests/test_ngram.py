@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from hf_dflash.generation.ngram import match_bucket, ngram_continuation, ngram_match
+from hf_dflash.generation.ngram import match_bucket, ngram_match
 
 
 def continuation(values, max_ngram_size=2, num_tokens=4) -> list[int]:
-    return ngram_continuation(torch.tensor(values), max_ngram_size, num_tokens).tolist()
+    return ngram_match(torch.tensor(values), max_ngram_size, num_tokens)[0].tolist()
 
 
 def test_continues_the_latest_match_of_the_longest_suffix():

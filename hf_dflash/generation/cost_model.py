@@ -63,7 +63,8 @@ class CostModel:
         max_verified_tokens: int | None = None,
     ) -> CostModel:
         """A batch-1 model from `seconds(k)` at k = 1..max_block_size and, when given, `verification(n)` at
-        n = 1..max_verified_tokens (default 2 * max_block_size) (synthetic models in tests)."""
+        n = 1..max_verified_tokens (default 2 * max_block_size): a cost model a user knows for their machine
+        (`AdaptiveBlockSize(cost_model=CostModel.from_function(...))`), and the synthetic ones of the tests."""
         lengths = tuple(range(1, max_block_size + 1))
         if verification is None:
             return cls(lengths, {1: tuple(seconds(k) for k in lengths)})

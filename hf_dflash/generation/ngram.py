@@ -21,12 +21,6 @@ def match_bucket(match_length: int) -> int:
     return sum(match_length >= threshold for threshold in MATCH_BUCKETS) - 1
 
 
-def ngram_continuation(sequence: torch.LongTensor, max_ngram_size: int, num_tokens: int) -> torch.LongTensor:
-    """(<= num_tokens,) drafted tokens after `sequence` (L,); empty when no suffix n-gram occurred before.
-    See `ngram_match`."""
-    return ngram_match(sequence, max_ngram_size, num_tokens)[0]
-
-
 def ngram_match(sequence: torch.LongTensor, max_ngram_size: int, num_tokens: int) -> tuple[torch.LongTensor, int]:
     """(drafts (<= num_tokens,), n): the continuation of the longest suffix n-gram match, n = 0 (and no
     drafts) when none.
