@@ -275,17 +275,16 @@ def test_card_metadata(exported):
     card = ModelCard.load(exported / "README.md")
     assert card.data.base_model == TARGET_ID
     assert card.data.library_name == "transformers"
-    assert card.data.tags == ["dflash", "speculative-decoding", "block-diffusion"]
+    assert card.data.tags == ["dflash", "speculative-decoding", "block-diffusion", "custom_generate"]
     assert card.data.pipeline_tag == "text-generation"
     assert card.data.license == "apache-2.0"
-    assert card.data.datasets == ["sharegpt", "gsm8k"]
+    assert card.data.datasets is None  # the record's data_sources are local names, not Hub dataset ids
     assert front_matter(exported / "README.md") == {
         "base_model": TARGET_ID,
-        "datasets": ["sharegpt", "gsm8k"],
         "library_name": "transformers",
         "license": "apache-2.0",
         "pipeline_tag": "text-generation",
-        "tags": ["dflash", "speculative-decoding", "block-diffusion"],
+        "tags": ["dflash", "speculative-decoding", "block-diffusion", "custom_generate"],
     }
 
 
@@ -583,3 +582,11 @@ def test_card_snippet_with_plain_transformers_in_subprocess(remote_process):
     assert remote_process.returncode == 0, stderr[-3000:]
     generated = int(stdout.split("REMOTE_OK")[1].split()[0])
     assert generated >= 8, stdout
+
+
+def test_card_datasets_are_the_hub_ids_the_record_names():
+    drafter = make_drafter(make_target(), block_size=4)
+    record = {**RECORD, "datasets": ["openai/gsm8k"]}
+    card = render_model_card(drafter.config, TARGET_ID, training_record=record)
+    assert card.data.datasets == ["openai/gsm8k"]
+    assert render_model_card(drafter.config, TARGET_ID, training_record=RECORD).data.datasets is None

@@ -141,6 +141,20 @@ torch.manual_seed(0)
 sampled = target.generate(**inputs, do_sample=True, temperature=0.7, top_p=0.9, max_new_tokens=32, **dflash)
 text = tokenizer.decode(sampled[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 assert sampled.shape[1] > inputs["input_ids"].shape[1] and text.strip(), text
+# The card's two lines without this package: plain assisted decoding cannot run a block-diffusion drafter, and
+# says which calls do; Transformers' own DFlash loop is one of them.
+from transformers import AutoModel
+
+drafter = AutoModel.from_pretrained(drafter_dir, trust_remote_code=True, dtype=torch.float32).eval()
+try:
+    target.generate(**inputs, assistant_model=drafter, do_sample=False, max_new_tokens=8)
+except AttributeError as error:
+    named = ("speculation_type='dflash'", "custom_generate=", "import hf_dflash")
+    assert all(call in str(error) for call in named), str(error)
+else:
+    raise SystemExit("plain assisted decoding ran the DFlash drafter as an autoregressive assistant")
+theirs = target.generate(**inputs, assistant_model=drafter, speculation_type="dflash", do_sample=False, max_new_tokens=16)
+assert torch.equal(theirs, target.generate(**inputs, do_sample=False, max_new_tokens=16))
 assert not any(name == "hf_dflash" or name.startswith("hf_dflash.") for name, m in sys.modules.items() if m)
 import transformers
 
@@ -152,7 +166,8 @@ print("PLAIN_TRANSFORMERS_OK", tau, transformers.__version__)
 def test_plain_transformers_custom_generate_on_the_real_target(real_target, real_cache_dir, tmp_path):
     """Where hf_dflash cannot be imported, `generate(custom_generate=<shipped folder>, trust_remote_code=True)`
     decodes the real SmolLM2 exactly as plain greedy (fp32, streamer and stop strings included), accepting
-    drafts, and samples."""
+    drafts, and samples; `generate(assistant_model=<the drafter from AutoModel>)` refuses with the calls that
+    work, one of which (`speculation_type="dflash"`) matches plain greedy."""
     target_dir = Path(real_cache_dir) / "smollm2-135m-instruct"
     assert (target_dir / "config.json").is_file()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}

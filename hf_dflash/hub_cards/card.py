@@ -22,7 +22,7 @@ from huggingface_hub import ModelCard, ModelCardData
 from ..modeling_dflash import DFlashConfig
 from .schemas import load_benchmark, load_training_record
 
-TAGS = ["dflash", "speculative-decoding", "block-diffusion"]
+TAGS = ["dflash", "speculative-decoding", "block-diffusion", "custom_generate"]
 # Written into the usage snippets when the repo id is not known yet; `push_folder` replaces it.
 REPO_ID_PLACEHOLDER = "your-org/your-dflash-drafter"
 
@@ -165,9 +165,9 @@ def render_model_card(
     """
     bench = load_benchmark(benchmark) if benchmark is not None else None
     record = load_training_record(training_record) if training_record is not None else None
-    datasets = None
-    if record is not None:
-        datasets = list(record.get("datasets") or record["data_sources"])
+    # Hub dataset ids only (the record's `datasets`): its data_sources are this project's own names for the
+    # prompts it regenerated, which the Hub would read as dataset ids that do not exist.
+    datasets = list(record.get("datasets") or []) or None if record is not None else None
     card_data = ModelCardData(
         base_model=target_id,
         library_name="transformers",

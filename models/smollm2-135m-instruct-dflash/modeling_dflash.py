@@ -142,8 +142,26 @@ class DFlashPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
 
 
+# What plain assisted decoding is told when it reaches for an autoregressive assistant's generation config.
+NOT_AN_ASSISTANT = (
+    "DFlashDraftModel is a block-diffusion drafter, not an autoregressive assistant_model: plain assisted decoding "
+    "cannot run it (it has no generation_config). Use generate(..., assistant_model=drafter, "
+    "speculation_type='dflash') (Transformers' own DFlash loop), generate(..., custom_generate=<this drafter's "
+    "folder or Hub repo>, trust_remote_code=True) (the loop the drafter ships), or `import hf_dflash` first (then "
+    "generate(..., assistant_model=drafter) runs the hf-dflash loop)."
+)
+
+
 class DFlashDraftModel(DFlashPreTrainedModel):
     """DFlash drafter: fused target context injected as extra keys/values into every layer."""
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "generation_config":  # still an AttributeError: hasattr() stays False, as for any drafter
+                raise AttributeError(NOT_AN_ASSISTANT) from None
+            raise
 
     def __init__(self, config: DFlashConfig):
         super().__init__(config)
