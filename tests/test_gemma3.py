@@ -196,13 +196,6 @@ def test_drafter_context_and_target_cache_hold_exactly_plain_decodings_keys():
         torch.testing.assert_close(ours.values[:, :, -keep:], theirs.values, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="memory bug (not a wrong answer): dflash_decoding calls cache.activate_past_recording(), after which a "
-    "DynamicSlidingWindowLayer keeps every key until a crop trims it back to W - 1; TargetSlots.keep crops only when "
-    "some draft was rejected, so while whole blocks are accepted the sliding layers grow like full-attention layers "
-    "(34 keys here, plain decoding keeps 7): the memory Gemma 3's sliding layers exist to save",
-)
 def test_sliding_layers_stay_within_their_window_when_whole_blocks_are_accepted():
     target, input_ids, new = context(LONG)
     drafter = oracle_for(target, input_ids, 4, new)  # every draft accepted: no round rolls anything back
@@ -280,16 +273,6 @@ def test_hybrid_oracle_drafter_beyond_the_window():
     assert all(length >= 4 for length in rounds[:-1])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="bug (issue 35): cost_timing.measure_round_seconds and measure_verification_seconds time rounds on a "
-    "DynamicCache(config=target.config) after a 256-token context (VERIFICATION_CONTEXT) and roll it back with "
-    "cache.crop(-k) without cache.activate_past_recording(): a sliding layer whose window (8) that context passed "
-    "raises RuntimeError, so any cost-model measurement (block_size_policy='adaptive', hybrid drafting's default "
-    "budget, draft_tree='auto') crashes on such a target. With past recording on, measure_verification_seconds "
-    "still fails: its 4D tree mask spans context + n keys while a sliding layer attends to W - 1 + n",
-)
 @pytest.mark.parametrize("setting", ["chain-adaptive", "hybrid-default", "tree-auto"])
 def test_measured_cost_model_on_a_sliding_window_target(setting, tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path))  # no cached cost model: it is measured

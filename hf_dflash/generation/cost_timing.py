@@ -89,6 +89,7 @@ def measure_round_seconds(
     token_ids = (torch.arange(rows * context_length, device=device) * 7919 % vocab).view(rows, -1)
     cache_name = cache_keyword(target)
     cache = DynamicCache(config=target.config)
+    cache.activate_past_recording()  # sliding-window layers roll back only with it, as in `generate`
     outputs = target(input_ids=token_ids, use_cache=True, output_hidden_states=hidden_request, **{cache_name: cache})
     features = target_layer_features(outputs.hidden_states, layer_ids, context_length)  # (rows, context, n*Ht)
     valid = token_ids.new_ones(rows, context_length)
@@ -127,18 +128,22 @@ def measure_verification_seconds(
     token_ids = (torch.arange(rows * 2 * context_length, device=device) * 7919 % vocab).view(rows, -1)
     cache_name = cache_keyword(target)
     cache = DynamicCache(config=target.config)
+    cache.activate_past_recording()  # sliding-window layers roll back only with it, as in `generate`
     target(input_ids=token_ids[:, :context_length], use_cache=True, **{cache_name: cache})
-    # the cost does not depend on the tree's shape: time a chain-shaped one
+    # the cost does not depend on the tree's shape: time a chain-shaped one, through the 4D tree mask where the
+    # target takes it (a sliding layer sees fewer keys than one mask for all layers has: there, the causal mask)
+    sliding = any(type(layer).__name__ == "DynamicSlidingWindowLayer" for layer in cache.layers)
     inputs = {
         n: dict(
             input_ids=token_ids[:, context_length : context_length + n],
-            attention_mask=tree_attention_bias(tuple(range(-1, n - 1)), context_length, target.dtype, device).expand(
-                rows, -1, -1, -1
-            ),
             position_ids=torch.arange(context_length, context_length + n, device=device).expand(rows, -1),
         )
         for n in lengths
     }
+    if not sliding:
+        for n, step in inputs.items():
+            chain = tree_attention_bias(tuple(range(-1, n - 1)), context_length, target.dtype, device)
+            step["attention_mask"] = chain.expand(rows, -1, -1, -1)
 
     def one_pass(n: int) -> None:
         target(**inputs[n], use_cache=True, output_hidden_states=hidden_request, **{cache_name: cache})

@@ -29,6 +29,8 @@ class TargetSlots:
         static = cache.is_compileable
         self.cache_rows = torch.arange(batch_size, device=device) if static else None
         self.capacity = cache_capacity(cache) if static else None
+        # Past recording (on for rollback) keeps a sliding layer's evicted keys until a crop trims them
+        self.sliding = any(type(layer).__name__ == "DynamicSlidingWindowLayer" for layer in cache.layers)
 
     @property
     def length(self) -> int:
@@ -95,6 +97,8 @@ class TargetSlots:
             if used < kept_valid.shape[1]:
                 self.cache.crop(used - kept_valid.shape[1])
             kept_valid = kept_valid[:, :used]
+        if self.sliding:  # back to the window: crop(0) trims sliding layers only (Transformers 5.23-5.25)
+            self.cache.crop(0)
         self.mask = torch.cat([self.mask, kept_valid], 1)
         return kept_valid
 

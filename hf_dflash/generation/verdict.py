@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .strategies import Proposal
+from .proposal import Proposal
 from .tree import greedy_tree_path, process_tree_logits, sampled_tree_path
 from .verification import accepted_lengths, greedy_tokens, process_rows, sample_rows
 

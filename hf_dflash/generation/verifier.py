@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from .strategies import DraftStrategy, Proposal
+from .proposal import Proposal
+from .strategies.base import DraftStrategy
 from .target_slots import TargetSlots
 from .tree import chain_parents, padded_parents, tree_attention_bias, tree_depths
 

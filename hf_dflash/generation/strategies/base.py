@@ -2,34 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ..drafting import BlockDrafter, Drafts
+from ..drafting import BlockDrafter
+from ..proposal import Proposal
 from ..stats import AcceptanceStats
-from ..tree import DraftTree
 
 if TYPE_CHECKING:
     from ..rows import Rows
     from ..verdict import Verdict
-
-
-@dataclass
-class Proposal:
-    """What a round verifies: drafts (R, d) after each row's bonus token, the tree they form (batch 1: a drafter
-    tree, or the branches of hybrid drafting; None for chains), the block length k of the drafter pass and the
-    block's draft slots it filled (0: no drafter pass)."""
-
-    drafts: Drafts
-    tree: DraftTree | None
-    block_length: int
-    slots: int
-
-    @property
-    def num_drafts(self) -> int:
-        return self.drafts.tokens.shape[1]
 
 
 class DraftStrategy(Protocol):

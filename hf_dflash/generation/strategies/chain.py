@@ -6,9 +6,9 @@ import torch
 
 from ..adaptive import BlockSizeController, FixedBlockSize
 from ..drafting import BlockDrafter, Drafts
+from ..proposal import Proposal
 from ..rows import Rows
 from ..stats import AcceptanceStats
-from .base import Proposal
 
 
 class ChainDrafting:

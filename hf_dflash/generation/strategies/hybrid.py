@@ -15,11 +15,11 @@ import torch
 from ..drafting import Drafts
 from ..hybrid_budget import tree_budget
 from ..ngram import DEFAULT_MAX_NGRAM_SIZE, PromptLookup
+from ..proposal import Proposal
 from ..rows import Rows
 from ..stats import AcceptanceStats
 from ..tree import accepted_path, merge_branches, tree_depths
 from ..verification import accepted_lengths
-from .base import Proposal
 from .chain import ChainDrafting
 
 

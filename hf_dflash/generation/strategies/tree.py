@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from ..drafting import BlockDrafter, Drafts
+from ..proposal import Proposal
 from ..rows import Rows
 from ..stats import AcceptanceStats
 from ..tree_drafting import TreeDrafting, remember_compiled_size
-from .base import Proposal
 from .chain import ChainDrafting
 
 
