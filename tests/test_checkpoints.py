@@ -743,10 +743,13 @@ def test_speculators_checkpoints_that_cannot_be_served_are_named(speculators_dir
 @pytest.mark.parametrize(
     "edit, match",
     [
-        (lambda c: c.update(architectures=["DFlash2DraftModel"]), r"DFlash2"),
-        (lambda c: c["dflash_config"].update(conv_kernel_size=2, selector_rank=8), r"DFlash2"),
-        (lambda c: c["dflash_config"].update(output_multiplier=0.2), r"output_multiplier=0\.2"),
-        (lambda c: c["dflash_config"].update(final_logit_softcapping=20.0), r"final_logit_softcapping=20\.0"),
+        (lambda c: c.update(architectures=["DFlash2DraftModel"]), r"DFlash2 checkpoint .*lacks \['conv_kernel_size'"),
+        (
+            lambda c: c["dflash_config"].update(conv_kernel_size=2, selector_rank=8),
+            r"DFlash2 checkpoint \(dflash_config\.conv_kernel_size\).*lacks \['conv_group_size', 'selector_top_k'\]",
+        ),
+        (lambda c: c["dflash_config"].update(output_multiplier=0.0), r"output_multiplier=0\.0 must be > 0"),
+        (lambda c: c.update(final_logit_softcapping=20.0), r"top-level final_logit_softcapping=20\.0 differs"),
         (lambda c: c.update(is_causal=True), r"is_causal=true"),
     ],
     ids=["dflash2_architecture", "dflash2_fields", "output_multiplier", "softcapping", "causal_everywhere"],

@@ -29,6 +29,14 @@ def shape_fields(key: str, config: DFlashConfig) -> str:
         "self_attn.k_norm.weight": (f"head_dim={c.head_dim}",),
         "layernorm.weight": (hidden,),
         "fc.weight": (hidden, features),
+        # DFlash2 (docs/dflash2.md)
+        "_conv.base_kernel": ("2 (before, after)", f"conv_kernel_size={c.conv_kernel_size}", hidden),
+        "_conv.kernel_projection.weight": (
+            f"2 x conv_kernel_size={c.conv_kernel_size} x hidden_size / conv_group_size={c.conv_group_size}",
+            hidden,
+        ),
+        "candidate_selector.hidden_projection.weight": (f"selector_rank={c.selector_rank}", hidden),
+        "_codebook": (f"vocab_size={c.vocab_size}", f"selector_rank={c.selector_rank}"),
     }
     if key in ("norm.weight", "hidden_norm.weight"):
         return hidden

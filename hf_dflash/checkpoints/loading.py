@@ -3,9 +3,9 @@
 Formats: Hub-native ("hub", `hub.py`), official / SpecForge / vLLM / SGLang ("official",
 `official.py`) and vLLM speculators ("speculators", load only, `speculators.py`).
 
-* DFlash2 (z-lab's `DFlash2DraftModel`; speculators' `dflash2`): dynamic convolutions around each
-  layer and a candidate selector over the LM head: a different model, refused by name (see
-  `configuration_dflash.dflash_kwargs_from_official` for the official-layout variant).
+* DFlash2 (z-lab's `DFlash2DraftModel`, docs/dflash2.md): grouped dynamic convolutions around each
+  sublayer and a candidate selector. Read and written in the official layout (the same `DFlashDraftModel`
+  with its DFlash2 parts); speculators' `dflash2` layout is refused by name.
 * A drafter object built by someone else's code (z-lab's `DFlashDraftModel`, a plain `Qwen3Model`
   loaded from an official folder without remote code, ...): `looks_like_dflash_drafter` tells it
   apart from an ordinary assistant model, so `generate` can refuse it instead of running plain
@@ -129,6 +129,13 @@ def load_drafter(path: str | os.PathLike, num_target_layers: int | None = None, 
     return load_official(folder, **kwargs)
 
 
+def bare_codebook_names(state_dict: dict) -> dict:
+    """z-lab's `DFlash2DraftModel` object keeps the selector's codebooks as embeddings
+    (`candidate_selector.predecessor_codebook.weight`); files and engines name them bare."""
+    codebooks = {f"candidate_selector.{name}_codebook.weight" for name in ("predecessor", "successor")}
+    return {key.removesuffix(".weight") if key in codebooks else key: value for key, value in state_dict.items()}
+
+
 def drafter_from_model(model: torch.nn.Module) -> DFlashDraftModel:
     """Our `DFlashDraftModel` from a DFlash drafter object built by other code (e.g. z-lab's
     `DFlashDraftModel` loaded with `trust_remote_code=True`, or a speculators model): its config is
@@ -138,7 +145,7 @@ def drafter_from_model(model: torch.nn.Module) -> DFlashDraftModel:
         return model
     config = model.config.to_dict()
     source = f"{type(model).__name__} config"
-    state_dict = {key: value.detach() for key, value in model.state_dict().items()}
+    state_dict = bare_codebook_names({key: value.detach() for key, value in model.state_dict().items()})
     if is_speculators_config(config):
         kwargs = dflash_kwargs_from_speculators(config, source, config.get("num_target_layers"))
         state_dict = without_verifier_copies(state_dict, source)

@@ -2,7 +2,10 @@
 
 `config.json` with `model_type: "qwen3"`, `architectures: ["DFlashDraftModel"]`, Qwen3 decoder fields,
 `block_size`, `num_target_layers` and `dflash_config: {mask_token_id, target_layer_ids, block_size}`;
-the same weight keys as the Hub-native format. Like z-lab's releases it carries
+the same weight keys as the Hub-native format. DFlash2 (z-lab's layout, docs/dflash2.md):
+`architectures: ["DFlash2DraftModel"]`, `dflash_config` adds `conv_kernel_size`, `conv_group_size`,
+`selector_rank`, `selector_top_k` (and any non-neutral logit/embedding transform), and the weights add
+`layers.{i}.{attention,mlp}_conv.*` and `candidate_selector.*` (bare codebook names). Like z-lab's releases it carries
 `auto_map: {"AutoModel": "modeling_dflash.DFlashDraftModel"}` and the two remote-code files, so
 `AutoModel.from_pretrained(dir, trust_remote_code=True)` gives the drafter while `AutoConfig` (and
 engines reading the config through Transformers) still sees a `Qwen3Config`.
@@ -20,7 +23,13 @@ import transformers
 from safetensors.torch import save_file
 
 from ..modeling_dflash import DFlashConfig, DFlashDraftModel, configuration_dflash
-from ..modeling_dflash.configuration_dflash import OFFICIAL_DECODER_FIELDS, dflash_kwargs_from_official
+from ..modeling_dflash.configuration_dflash import (
+    DFLASH2_ARCHITECTURE,
+    DFLASH2_FIELDS,
+    NEUTRAL_TRANSFORMS,
+    OFFICIAL_DECODER_FIELDS,
+    dflash_kwargs_from_official,
+)
 from .building import build_drafter
 from .files import CONFIG_NAME, REMOTE_CODE_FILES, WEIGHTS_NAME, as_dtype, dtype_name, load_state_dict, read_config
 
@@ -34,15 +43,26 @@ def official_config_dict(config: DFlashConfig, dtype: torch.dtype) -> dict:
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     # Older engines read rope_theta + rope_scaling (None for plain RoPE).
     rope_scaling = None if scaling in ({}, {"rope_type": "default"}) else scaling
-    out = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "auto_map": dict(OFFICIAL_AUTO_MAP)}
+    architecture = DFLASH2_ARCHITECTURE if config.is_dflash2 else "DFlashDraftModel"
+    out = {"architectures": [architecture], "model_type": "qwen3", "auto_map": dict(OFFICIAL_AUTO_MAP)}
     out.update({field: getattr(config, field) for field in OFFICIAL_DECODER_FIELDS})
     dflash = {
         "mask_token_id": config.mask_token_id,
         "target_layer_ids": list(config.target_layer_ids),
         "block_size": config.block_size,
     }
+    if config.is_dflash2:
+        dflash.update({field: getattr(config, field) for field in DFLASH2_FIELDS})
+    dflash.update(
+        {
+            name: getattr(config, name)
+            for name, neutral in NEUTRAL_TRANSFORMS.items()
+            if getattr(config, name) != neutral
+        }
+    )
     if "sliding_attention" in config.layer_types:  # say which semantics the sliding layers were trained with
-        dflash["sliding_window_non_causal"] = config.sliding_window_non_causal
+        if not config.is_dflash2:  # z-lab's DFlash2 configs say it with is_causal only
+            dflash["sliding_window_non_causal"] = config.sliding_window_non_causal
         if config.sliding_window_non_causal:
             out["is_causal"] = False  # z-lab's field for the same semantics
     out.update(
@@ -74,7 +94,7 @@ def save_official(
     dtype: str | torch.dtype | None = None,
 ) -> Path:
     """Write the official / SpecForge / vLLM / SGLang format: `config.json` (`model_type: "qwen3"`,
-    `architectures: ["DFlashDraftModel"]`, `dflash_config`, `auto_map` for AutoModel only),
+    `architectures: ["DFlashDraftModel"]` or `["DFlash2DraftModel"]`, `dflash_config`, `auto_map` for AutoModel only),
     `model.safetensors` with the same weight keys as the Hub format, and the two remote-code files.
     `dtype` casts the saved weights. Returns the output folder."""
     out = Path(out_dir)

@@ -56,7 +56,7 @@ def dflash_kwargs_from_speculators(config: dict, source: str, num_target_layers:
     if algorithm in ("dflash2", "dspark") or "conv_kernel_size" in config:
         raise ValueError(
             f"{source} is a speculators {algorithm!r} checkpoint (a DFlash2/DSpark variant with extra heads); "
-            "hf_dflash implements DFlash (arXiv 2602.06036) only. Serve it with vLLM."
+            "hf_dflash reads DFlash2 in z-lab's official layout only (docs/dflash2.md). Serve it with vLLM."
         )
     if algorithm != "dflash":
         raise ValueError(f"{source}: speculators_model_type {algorithm!r} is not a DFlash drafter.")

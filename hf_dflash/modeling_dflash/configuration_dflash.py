@@ -60,10 +60,22 @@ OFFICIAL_REQUIRED_FIELDS = (
     "vocab_size",
     "num_target_layers",
 )
-# z-lab's DFlash2 (dynamic convolutions and a candidate selector around each layer): a different model.
+# DFlash2 (z-lab's DFlash2DraftModel, docs/dflash2.md): a grouped dynamic convolution around both sublayers of
+# every draft layer and a candidate selector over the top-K of each slot. All four are set, or none (DFlash).
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-# z-lab's logit/embedding transforms (their defaults are no-ops); this drafter implements none of them.
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+# z-lab's embedding and logit transforms, at their no-op values: the block's embeddings are multiplied by
+# input_embedding_scale; the logits by output_multiplier, then soft-capped (cap * tanh(logits / cap)).
 NEUTRAL_TRANSFORMS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
+# The keys an official DFlash2 dflash_config may hold (anything else is refused: it may change the maths).
+OFFICIAL_DFLASH2_KEYS = {
+    "block_size",
+    "mask_token_id",
+    "target_layer_ids",
+    "sliding_window_non_causal",
+    *DFLASH2_FIELDS,
+    *NEUTRAL_TRANSFORMS,
+}
 
 
 def default_target_layer_ids(num_target_layers: int, num_target_features: int) -> list[int]:
@@ -189,44 +201,69 @@ def _official_sliding_semantics(config: dict, dflash: dict, source: str) -> bool
     return bool(ours) or is_causal is False
 
 
-def dflash_kwargs_from_official(config: dict, source: str = "config.json") -> dict:
-    """`DFlashConfig` keyword arguments from an official / SpecForge / z-lab config dict
-    (`model_type: "qwen3"`, `dflash_config: {mask_token_id, target_layer_ids[, block_size]}`).
+def _transform_value(name: str, value):
+    """A transform's value with "unset" spelled as its no-op (a softcap of 0 or None: none)."""
+    if name == "final_logit_softcapping":
+        return value or None
+    return NEUTRAL_TRANSFORMS[name] if value is None else value
 
-    Raises a `ValueError` naming the field for a missing or conflicting DFlash field, a DFlash2
-    checkpoint, or a logit/embedding transform this drafter does not implement.
-    """
-    model_type = config.get("model_type")
-    if model_type != "qwen3":
-        raise ValueError(f"{source}: official DFlash checkpoints have model_type 'qwen3', got {model_type!r}.")
-    dflash = config.get("dflash_config")
-    if dflash is None:
-        dflash = {}
-    if not isinstance(dflash, dict):
-        raise ValueError(f"{source}: dflash_config must be a JSON object, got {dflash!r}.")
-    dflash2 = [field for field in DFLASH2_FIELDS if field in dflash or field in config]
-    if dflash2 or "DFlash2DraftModel" in (config.get("architectures") or []):
-        raise ValueError(
-            f"{source} is a DFlash2 checkpoint (DFlash2DraftModel: dynamic convolutions and a candidate "
-            f"selector, fields {dflash2 or DFLASH2_FIELDS}); hf_dflash implements DFlash (arXiv 2602.06036) "
-            "only. Serve it with z-lab/dflash."
-        )
+
+def _official_transforms(config: dict, dflash: dict, source: str) -> dict:
+    """The embedding/logit transforms of an official config as `DFlashConfig` kwargs (no-op ones left out).
+    They belong in dflash_config (where vLLM reads them; z-lab also reads the top level): a non-neutral
+    top-level value that dflash_config does not repeat is refused, since engines would disagree."""
+    kwargs = {}
     for name, neutral in NEUTRAL_TRANSFORMS.items():
-        value = dflash.get(name, config.get(name, neutral))
-        if value != neutral and not (neutral is None and not value):
+        nested, top = _transform_value(name, dflash.get(name)), _transform_value(name, config.get(name))
+        if top != neutral and top != nested:
             raise ValueError(
-                f"{source}: {name}={value!r} transforms the drafter's embeddings or logits, which this DFlash "
-                f"drafter does not implement (it would draft from different logits); only {neutral!r} is supported."
+                f"{source}: the top-level {name}={top!r} differs from dflash_config.{name}={nested!r}; vLLM reads "
+                f"only dflash_config and z-lab reads it first, so engines would draft from different logits. "
+                f"Put the value the drafter was trained with in dflash_config.{name} (and drop the top-level one)."
             )
-    for field in CHECKPOINT_REQUIRED_FIELDS:
-        if dflash.get(field) is None:
-            found = ""
-            if config.get(field) is not None:
-                found = f" (a top-level {field}={config[field]!r} exists, but engines read dflash_config.{field})"
-            raise ValueError(
-                f"{source}: dflash_config.{field} is missing{found}; {SILENT_FALLBACK}. "
-                f"Set dflash_config.{field} to the value the drafter was trained with."
-            )
+        if nested != neutral:
+            kwargs[name] = nested
+    return kwargs
+
+
+def _official_dflash2_fields(config: dict, dflash: dict, source: str) -> dict:
+    """The DFlash2 fields of an official config (`DFlash2DraftModel`, in dflash_config) as `DFlashConfig`
+    kwargs; {} for a DFlash checkpoint. Partial, misplaced, unknown or contradicted fields raise."""
+    architectures = config.get("architectures") or []
+    present = [field for field in DFLASH2_FIELDS if dflash.get(field) is not None]
+    top_level = [field for field in DFLASH2_FIELDS if field not in present and config.get(field) is not None]
+    if top_level:
+        raise ValueError(
+            f"{source}: {top_level} are top-level, but engines (vLLM, z-lab) read dflash_config.{top_level[0]}; "
+            "move the DFlash2 fields into dflash_config."
+        )
+    if not present and DFLASH2_ARCHITECTURE not in architectures:
+        return {}
+    missing = [field for field in DFLASH2_FIELDS if field not in present]
+    if missing:
+        why = f"dflash_config.{present[0]}" if present else f"architectures {architectures}"
+        raise ValueError(
+            f"{source} is a DFlash2 checkpoint ({why}) but dflash_config lacks {missing}; set them to the values "
+            "the drafter was trained with (z-lab's: conv_kernel_size 2, conv_group_size 16, selector_rank 256, "
+            "selector_top_k 16; the weights' shapes show conv_kernel_size and selector_rank)."
+        )
+    if architectures and DFLASH2_ARCHITECTURE not in architectures:
+        raise ValueError(
+            f"{source}: dflash_config has the DFlash2 fields but architectures={architectures}; engines pick the "
+            f"model class by architectures and would drop the DFlash2 weights. Set architectures to "
+            f'["{DFLASH2_ARCHITECTURE}"].'
+        )
+    unknown = sorted(set(dflash) - OFFICIAL_DFLASH2_KEYS)
+    if unknown:
+        raise ValueError(
+            f"{source}: dflash_config.{unknown[0]} is not a DFlash2 field hf_dflash knows ({sorted(OFFICIAL_DFLASH2_KEYS)}); "
+            "a field that changes the drafter's maths would be ignored silently. Remove it, or update hf_dflash."
+        )
+    return {field: dflash[field] for field in DFLASH2_FIELDS}
+
+
+def _official_block_size(config: dict, dflash: dict, source: str):
+    """block_size, top-level or in dflash_config (both: they must agree)."""
     top, nested = config.get("block_size"), dflash.get("block_size")
     if top is not None and nested is not None and top != nested:
         raise ValueError(
@@ -236,6 +273,37 @@ def dflash_kwargs_from_official(config: dict, source: str = "config.json") -> di
     block_size = top if top is not None else nested
     if block_size is None:
         raise ValueError(f"{source}: block_size is missing (neither top-level nor in dflash_config).")
+    return block_size
+
+
+def dflash_kwargs_from_official(config: dict, source: str = "config.json") -> dict:
+    """`DFlashConfig` keyword arguments from an official / SpecForge / z-lab config dict
+    (`model_type: "qwen3"`, `dflash_config: {mask_token_id, target_layer_ids[, block_size]}`), DFlash or
+    DFlash2 (`architectures: ["DFlash2DraftModel"]`, `dflash_config` adds `conv_kernel_size`,
+    `conv_group_size`, `selector_rank`, `selector_top_k` and optionally the logit/embedding transforms).
+
+    Raises a `ValueError` naming the field for a missing, misplaced or conflicting field.
+    """
+    model_type = config.get("model_type")
+    if model_type != "qwen3":
+        raise ValueError(f"{source}: official DFlash checkpoints have model_type 'qwen3', got {model_type!r}.")
+    dflash = config.get("dflash_config")
+    if dflash is None:
+        dflash = {}
+    if not isinstance(dflash, dict):
+        raise ValueError(f"{source}: dflash_config must be a JSON object, got {dflash!r}.")
+    dflash2 = _official_dflash2_fields(config, dflash, source)
+    transforms = _official_transforms(config, dflash, source)
+    for field in CHECKPOINT_REQUIRED_FIELDS:
+        if dflash.get(field) is None:
+            found = ""
+            if config.get(field) is not None:
+                found = f" (a top-level {field}={config[field]!r} exists, but engines read dflash_config.{field})"
+            raise ValueError(
+                f"{source}: dflash_config.{field} is missing{found}; {SILENT_FALLBACK}. "
+                f"Set dflash_config.{field} to the value the drafter was trained with."
+            )
+    block_size = _official_block_size(config, dflash, source)
     missing = [field for field in OFFICIAL_REQUIRED_FIELDS if config.get(field) is None]
     if missing:
         raise ValueError(f"{source}: required field(s) {missing} missing from the config.")
@@ -248,6 +316,8 @@ def dflash_kwargs_from_official(config: dict, source: str = "config.json") -> di
         target_layer_ids=dflash["target_layer_ids"],
         sliding_window_non_causal=_official_sliding_semantics(config, dflash, source),
         tie_word_embeddings=False,
+        **dflash2,
+        **transforms,
     )
     if config.get("draft_vocab_size") is not None:  # EAGLE-3 / speculators convention (d2t/t2d in the weights)
         kwargs["draft_vocab_size"] = config["draft_vocab_size"]
@@ -381,6 +451,54 @@ def _check_layout(config) -> None:
         raise ValueError(f"sliding_window_non_causal must be true or false, got {config.sliding_window_non_causal!r}.")
 
 
+def _check_dflash2(config) -> None:
+    """The four DFlash2 fields all None (DFlash) or all integers >= 1 that fit the drafter: groups that split
+    hidden_size, taps within the block, a top-K within the vocabulary, the whole vocabulary drafted."""
+    present = [name for name in DFLASH2_FIELDS if getattr(config, name) is not None]
+    if not present:
+        return
+    missing = [name for name in DFLASH2_FIELDS if name not in present]
+    if missing:
+        raise ValueError(
+            f"{present[0]} is set but {missing} are not: a DFlash2 drafter needs all of {list(DFLASH2_FIELDS)} "
+            "(z-lab's: 2, 16, 256, 16), a DFlash drafter none of them."
+        )
+    for name in DFLASH2_FIELDS:
+        strict_int(getattr(config, name), name, 1)
+    if config.hidden_size % config.conv_group_size:
+        raise ValueError(
+            f"conv_group_size={config.conv_group_size} must divide hidden_size={config.hidden_size}: the "
+            "convolution shares one dynamic kernel per group of conv_group_size channels."
+        )
+    if config.conv_kernel_size > config.block_size:
+        raise ValueError(
+            f"conv_kernel_size={config.conv_kernel_size} must be <= block_size={config.block_size}: the "
+            "convolution never reads across the draft block."
+        )
+    if config.selector_top_k > config.vocab_size:
+        raise ValueError(f"selector_top_k={config.selector_top_k} must be <= vocab_size={config.vocab_size}.")
+    if config.draft_vocab_size is not None:
+        raise ValueError(
+            f"draft_vocab_size={config.draft_vocab_size} with DFlash2: the candidate selector ranks the whole "
+            "vocabulary (its codebooks have vocab_size rows); set draft_vocab_size to None."
+        )
+
+
+def _check_transforms(config) -> None:
+    """input_embedding_scale and output_multiplier finite and > 0; final_logit_softcapping None or > 0."""
+    fix = "1.0 is the no-op; set the value the drafter was trained with"
+    _check_real(config.input_embedding_scale, "input_embedding_scale", 0.0, False, fix)
+    _check_real(config.output_multiplier, "output_multiplier", 0.0, False, fix)
+    if config.final_logit_softcapping is not None:
+        _check_real(
+            config.final_logit_softcapping,
+            "final_logit_softcapping",
+            0.0,
+            False,
+            "None is the no-op (cap * tanh(logits / cap) otherwise)",
+        )
+
+
 class DFlashConfig(PreTrainedConfig):
     r"""Configuration of a [`DFlashDraftModel`].
 
@@ -402,6 +520,12 @@ class DFlashConfig(PreTrainedConfig):
             loop uses unless `drafter.block_size_policy` is set): None (the trained `block_size`),
             "adaptive" (chosen each round from acceptance and the measured cost of this machine), or a
             fixed k with 2 <= k <= block_size. Other loaders ignore it.
+        conv_kernel_size, conv_group_size, selector_rank, selector_top_k: DFlash2 (docs/dflash2.md), all
+            set or all None (DFlash): taps of the grouped dynamic convolution around each sublayer, channels
+            per dynamic kernel, rank of the candidate selector's codebooks, candidates it ranks per slot.
+        input_embedding_scale, output_multiplier, final_logit_softcapping: z-lab's transforms (no-ops by
+            default): block embeddings x scale; logits x multiplier, then cap * tanh(logits / cap).
+    Fields at their DFlash/no-op values are not written to config.json.
 
     A config.json must state `mask_token_id` and `target_layer_ids` (`from_dict` raises otherwise);
     one in the official layout (`model_type: "qwen3"` + `dflash_config`) is translated.
@@ -437,6 +561,13 @@ class DFlashConfig(PreTrainedConfig):
     sliding_window_non_causal: bool = False
     draft_vocab_size: int | None = None
     block_size_policy: str | int | None = None
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self, **kwargs):
         # the sizes the defaults below divide by or repeat, before they are used
@@ -463,8 +594,29 @@ class DFlashConfig(PreTrainedConfig):
 
     def validate_dflash(self) -> None:
         """Raise a `ValueError` naming the first inconsistent or out-of-range field (and the fix)."""
-        for check in (_check_block_and_sizes, _check_numerics, _check_target_fields, _check_layout):
+        for check in (
+            _check_block_and_sizes,
+            _check_numerics,
+            _check_target_fields,
+            _check_layout,
+            _check_dflash2,
+            _check_transforms,
+        ):
             check(self)
+
+    @property
+    def is_dflash2(self) -> bool:
+        """Whether the drafter has DFlash2's convolutions and candidate selector."""
+        return self.conv_kernel_size is not None
+
+    def to_dict(self) -> dict:
+        """`PreTrainedConfig.to_dict` without the DFlash2 fields and transforms left at their DFlash/no-op
+        values, so a DFlash config.json is byte for byte what it was before DFlash2."""
+        output = super().to_dict()
+        for name, unset in {**dict.fromkeys(DFLASH2_FIELDS), **NEUTRAL_TRANSFORMS}.items():
+            if name in output and output[name] == unset:
+                del output[name]
+        return output
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs) -> "DFlashConfig":

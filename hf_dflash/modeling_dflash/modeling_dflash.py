@@ -9,7 +9,14 @@ The drafter has no embedding and no LM head: it borrows the frozen target's. Eac
                                       concatenated, for the C context tokens not yet in `cache`
 and returns `last_hidden_state` (B, q, H); logits = `drafter.draft_logits(last_hidden_state, target_lm_head)`
 (= target_lm_head(last_hidden_state), or over the draft vocabulary only when `draft_vocab_size` is set).
+
+DFlash2 (`config.is_dflash2`, docs/dflash2.md) adds, as optional parts of the same model, a grouped dynamic
+convolution around both sublayers of every layer (`layers.{i}.attention_conv`, `layers.{i}.mlp_conv`) and a
+`candidate_selector` that re-ranks the top-K candidates of each slot given the token chosen before it
+(`selector_walk`). At identity initialisation both are no-ops: the drafter computes DFlash's outputs.
 """
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -63,6 +70,157 @@ def dflash_attention_mask(
     if attention_mask is not None:
         mask = mask & attention_mask[:, None, None, :key_length].bool()
     return mask
+
+
+def grouped_dynamic_conv(
+    hidden: torch.Tensor, deltas: torch.Tensor, base_kernel: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """DFlash2's causal convolution inside draft blocks, per channel c of group g = c // (H / G):
+
+        out[t, c] = sum_j (base_kernel[j, c] + deltas[t, j, g]) * hidden[t - j, c]
+
+    hidden (B, q, H): the q positions are consecutive blocks of `block_size` (the last may be shorter) and
+    hidden[t - j] is zero when t - j lies in an earlier block (nothing crosses a block boundary);
+    deltas (B, q, taps, G): per-position kernel offsets; base_kernel (taps, H). Returns (B, q, H).
+    """
+    batch, length, size = hidden.shape
+    taps, groups = deltas.shape[-2:]
+    grouped = hidden.view(batch, length, groups, size // groups)
+    kernel = base_kernel.to(hidden.dtype).view(taps, groups, -1) + deltas.to(hidden.dtype).unsqueeze(-1)
+    output = kernel[:, :, 0] * grouped
+    offset_in_block = torch.arange(length, device=hidden.device) % block_size
+    for tap in range(1, taps):
+        earlier = nn.functional.pad(grouped[:, : length - tap], (0, 0, 0, 0, tap, 0))  # hidden[t - tap]
+        inside = (offset_in_block >= tap).view(1, length, 1, 1)
+        output = output + torch.where(inside, kernel[:, :, tap] * earlier, 0.0)
+    return output.view_as(hidden)
+
+
+class DFlashGroupedConv(nn.Module):
+    """DFlash2's convolution around one sublayer (attention or MLP) of a draft layer, over the block only.
+
+    base_kernel (2, taps, H): [0] convolves the sublayer's input, [1] its output. kernel_projection
+    (H -> 2 * taps * G, G = H / group_size) reads the sublayer's (normed) input and gives both sides'
+    per-position deltas. Identity (`reset_to_identity`): base tap 0 = 1, all else 0.
+    """
+
+    def __init__(self, hidden_size: int, taps: int, group_size: int, block_size: int):
+        super().__init__()
+        self.taps, self.groups, self.block_size = taps, hidden_size // group_size, block_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, taps, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * taps * self.groups, bias=False)
+
+    def before(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, q, H) sublayer input -> (its convolution, the (B, q, taps, G) deltas for `after`)."""
+        deltas = self.kernel_projection(hidden).view(*hidden.shape[:-1], 2, self.taps, self.groups)
+        convolved = grouped_dynamic_conv(hidden, deltas[..., 0, :, :], self.base_kernel[0], self.block_size)
+        return convolved, deltas[..., 1, :, :]
+
+    def after(self, output: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+        """(B, q, H) sublayer output -> its convolution with the deltas `before` computed."""
+        return grouped_dynamic_conv(output, deltas, self.base_kernel[1], self.block_size)
+
+    @torch.no_grad()
+    def reset_to_identity(self) -> None:
+        self.base_kernel.zero_()
+        self.base_kernel[:, 0] = 1.0
+        self.kernel_projection.weight.zero_()
+
+
+class SelectorPath(NamedTuple):
+    """A walk of the candidate selector over L slots: tokens (..., L) chosen, choices (..., L) their index among
+    the K candidates, scores (..., L, K) the scores S each slot's choice was made from."""
+
+    tokens: torch.LongTensor
+    choices: torch.LongTensor
+    scores: torch.Tensor
+
+
+def greedy_choice(scores: torch.Tensor) -> torch.LongTensor:
+    """(..., K) -> (...) index of the highest score (the first on ties)."""
+    return scores.argmax(-1)
+
+
+def selector_walk(
+    candidate_ids: torch.LongTensor,
+    unary_logits: torch.Tensor,
+    projected_hidden: torch.Tensor,
+    predecessor_codebook: torch.Tensor,
+    successor_codebook: torch.Tensor,
+    anchor_ids: torch.LongTensor,
+    choose=greedy_choice,
+) -> SelectorPath:
+    """DFlash2's walk over a block: slot l picks among its K candidates with scores
+
+        S_l[k] = unary_logits[l, k] + < A[pred_l] * P[l], B[candidate_ids[l, k]] >
+
+    where A/B are the predecessor/successor codebooks (V, r), P = projected_hidden (..., L, r) (the selector's
+    hidden projection of the drafter's outputs), pred_1 = the anchor and pred_{l+1} = the token chosen at l.
+    candidate_ids, unary_logits (..., L, K); anchor_ids (...). `choose` maps (..., K) scores to an index
+    (default greedy: the argmax). With P = 0 the walk takes each slot's best unary candidate.
+    """
+    successors = successor_codebook[candidate_ids].float()  # (..., L, K, r)
+    predecessor = anchor_ids
+    tokens, choices, rows = [], [], []
+    for slot in range(candidate_ids.shape[-2]):
+        context = predecessor_codebook[predecessor].float() * projected_hidden[..., slot, :].float()  # (..., r)
+        scores = unary_logits[..., slot, :].float() + (successors[..., slot, :, :] @ context.unsqueeze(-1)).squeeze(-1)
+        choice = choose(scores)
+        predecessor = candidate_ids[..., slot, :].gather(-1, choice.unsqueeze(-1)).squeeze(-1)
+        tokens.append(predecessor)
+        choices.append(choice)
+        rows.append(scores)
+    return SelectorPath(torch.stack(tokens, -1), torch.stack(choices, -1), torch.stack(rows, -2))
+
+
+def unary_top_k(logits: torch.Tensor, k: int) -> tuple[torch.LongTensor, torch.Tensor]:
+    """(..., V) draft logits -> the K best (ids, logits), each (..., K), best first and equal logits by
+    ascending id, so candidate 0 is the argmax (first on ties) whenever the top logit is unique within K."""
+    values, ids = logits.topk(k, dim=-1)
+    ids, order = ids.sort(-1)
+    values, order = values.gather(-1, order).sort(dim=-1, descending=True, stable=True)
+    return ids.gather(-1, order), values
+
+
+class DFlashCandidateSelector(nn.Module):
+    """DFlash2's candidate selector: codebooks `predecessor_codebook`, `successor_codebook` (V, r), stored
+    under these bare names, and `hidden_projection` (H -> r). Identity (`reset_to_identity`): projection 0,
+    so every score is the unary logit (the codebooks stay random, so training moves the projection)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.zeros(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(vocab_size, rank))
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+
+    def walk(self, hidden, candidate_ids, unary_logits, anchor_ids, choose=greedy_choice) -> SelectorPath:
+        """`selector_walk` over the drafter's outputs hidden (..., L, H) of the block's L draft slots."""
+        projected = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype))
+        return selector_walk(
+            candidate_ids,
+            unary_logits,
+            projected,
+            self.predecessor_codebook,
+            self.successor_codebook,
+            anchor_ids,
+            choose,
+        )
+
+    @torch.no_grad()
+    def reset_to_identity(self, std: float = 0.02) -> None:
+        self.predecessor_codebook.normal_(0.0, std)
+        self.successor_codebook.normal_(0.0, std)
+        self.hidden_projection.weight.zero_()
+
+
+def transform_logits(logits: torch.Tensor, multiplier: float, softcap: float | None) -> torch.Tensor:
+    """z-lab's output transforms: logits * multiplier, then softcap * tanh(logits / softcap) (None: no cap)."""
+    if multiplier != 1.0:
+        logits = logits * multiplier
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
 
 
 class DFlashAttention(Qwen3Attention):
@@ -119,14 +277,27 @@ class DFlashDecoderLayer(Qwen3DecoderLayer):
     def __init__(self, config: DFlashConfig, layer_idx: int):
         super().__init__(config, layer_idx)
         self.self_attn = DFlashAttention(config, layer_idx)
+        self.attention_conv = self.mlp_conv = None
+        if config.is_dflash2:  # DFlash2: a grouped dynamic convolution around each sublayer (block only)
+            sizes = (config.hidden_size, config.conv_kernel_size, config.conv_group_size, config.block_size)
+            self.attention_conv, self.mlp_conv = DFlashGroupedConv(*sizes), DFlashGroupedConv(*sizes)
 
     def forward(self, hidden_states, context, position_embeddings, attention_mask=None, cache=None, **kwargs):
-        residual = hidden_states
-        hidden_states = self.self_attn(
-            self.input_layernorm(hidden_states), context, position_embeddings, attention_mask, cache, **kwargs
-        )
-        hidden_states = residual + hidden_states
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        """hidden_states (B, q, H) the block(s); context (B, C, H) the fused target context (never convolved)."""
+        normed = self.input_layernorm(hidden_states)
+        if self.attention_conv is not None:
+            normed, deltas = self.attention_conv.before(normed)
+        attended = self.self_attn(normed, context, position_embeddings, attention_mask, cache, **kwargs)
+        if self.attention_conv is not None:
+            attended = self.attention_conv.after(attended, deltas)
+        hidden_states = hidden_states + attended
+        normed = self.post_attention_layernorm(hidden_states)
+        if self.mlp_conv is not None:
+            normed, deltas = self.mlp_conv.before(normed)
+        transformed = self.mlp(normed)
+        if self.mlp_conv is not None:
+            transformed = self.mlp_conv.after(transformed, deltas)
+        return hidden_states + transformed
 
 
 class DFlashPreTrainedModel(PreTrainedModel):
@@ -140,6 +311,20 @@ class DFlashPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False
     _supports_flex_attn = True  # training: pass the packed mask as a BlockMask
     _supports_attention_backend = True
+
+    def _init_weights(self, module):
+        """Transformers' initialisation, and DFlash2's parts at identity (the model then computes DFlash's
+        outputs) unless a checkpoint already filled them."""
+        super()._init_weights(module)
+        if isinstance(module, DFlashGroupedConv) and not _loaded(module):
+            module.reset_to_identity()
+        elif isinstance(module, DFlashCandidateSelector) and not _loaded(module):
+            module.reset_to_identity(self.config.initializer_range)
+
+
+def _loaded(module: nn.Module) -> bool:
+    """Whether Transformers' loading filled some of the module's parameters from a checkpoint."""
+    return any(getattr(parameter, "_is_hf_initialized", False) for parameter in module.parameters())
 
 
 # What plain assisted decoding is told when it reaches for an autoregressive assistant's generation config.
@@ -170,6 +355,11 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         self.fc = nn.Linear(len(config.target_layer_ids) * config.target_hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.candidate_selector = None
+        if config.is_dflash2:
+            self.candidate_selector = DFlashCandidateSelector(
+                config.hidden_size, config.vocab_size, config.selector_rank, config.selector_top_k
+            )
         if config.draft_vocab_size is not None:
             # EAGLE-3 / vLLM speculators convention: draft index i is target id i + d2t[i]; t2d marks the ids.
             # Until `set_draft_vocab` is called the draft vocabulary is the first draft_vocab_size ids.
@@ -248,12 +438,16 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         Without a draft vocabulary: `lm_head(hidden_states)` (..., V). With one: only its N rows are
         computed; `full_vocab=True` scatters them into (..., V) with -inf elsewhere (a proposal that
         never drafts other ids: greedy and rejection sampling stay lossless), False returns (..., N).
+        The config's `output_multiplier` and `final_logit_softcapping` apply (no-ops by default).
         """
-        if self.config.draft_vocab_size is None:
-            return lm_head(hidden_states.to(lm_head.weight.dtype))  # the head may be bf16 under an fp32 drafter
+        config = self.config
+        if config.draft_vocab_size is None:  # the head may be bf16 under an fp32 drafter
+            logits = lm_head(hidden_states.to(lm_head.weight.dtype))
+            return transform_logits(logits, config.output_multiplier, config.final_logit_softcapping)
         weight = self.draft_head_weight(lm_head)
         bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias[self.draft_token_ids.to(weight.device)]
         logits = nn.functional.linear(hidden_states.to(weight.dtype), weight, bias)
+        logits = transform_logits(logits, config.output_multiplier, config.final_logit_softcapping)
         if not full_vocab:
             return logits
         full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
@@ -311,6 +505,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             }
 
         hidden_states = noise_embeds.to(self.fc.weight.dtype)
+        if self.config.input_embedding_scale != 1.0:
+            hidden_states = hidden_states * self.config.input_embedding_scale
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         for layer, layer_type in zip(self.layers, self.config.layer_types):
             hidden_states = layer(hidden_states, context, position_embeddings, masks[layer_type], cache, **kwargs)
@@ -334,10 +530,22 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             raise ValueError(
                 f"DFlash checkpoint {args[0] if args else ''} does not match DFlashDraftModel: {problems}. "
                 "Expected keys layers.{i}.*, norm.weight, fc.weight, hidden_norm.weight (no 'model.' prefix)"
+                + (", candidate_selector.* (DFlash2)" if model.config.is_dflash2 else "")
                 + (", d2t, t2d (draft_vocab_size is set)." if model.config.draft_vocab_size is not None else ".")
             )
         model.check_draft_vocab()
         return (model, info) if wants_info else model
 
 
-__all__ = ["DFlashDraftModel", "DFlashPreTrainedModel", "dflash_attention_mask"]
+__all__ = [
+    "DFlashCandidateSelector",
+    "DFlashDraftModel",
+    "DFlashGroupedConv",
+    "DFlashPreTrainedModel",
+    "SelectorPath",
+    "dflash_attention_mask",
+    "grouped_dynamic_conv",
+    "selector_walk",
+    "transform_logits",
+    "unary_top_k",
+]
