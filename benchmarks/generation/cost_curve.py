@@ -6,11 +6,13 @@ For each dtype (`--dtypes`) and each n in `--tokens` (default 1, 2, 4, 8, 16, 32
 
 - target, `eager`: the forward our loop runs today (DynamicCache, cropped back after each pass, with the
   hidden states the drafter reads);
+- target, `packed`: the eager forward with its linear layers through oneDNN over weights prepacked for
+  8 rows (`hf_dflash.packed_linears`, what our loop's `drafter.linear_packing = "auto"` runs where it pays);
 - target, `static`: the same forward over a `StaticCache` (its write position rewound after each pass, the
   slots overwritten by the next), eager: what a static cache alone costs or saves;
 - target, `compiled`: that static forward through `torch.compile` (inductor, `--compile-mode`; `--freezing`:
   the weights become constants its GEMMs may pre-pack), one graph per n, compile time reported apart;
-- drafter, `eager` and `compiled`: one draft pass over a k-token block with its k context features and
+- drafter, `eager`, `packed` and `compiled`: one draft pass over a k-token block with its k context features and
   the LM head on the k-1 draft slots (its cache cropped back), as a round drafts.
 
 Each row is the median of `--reps` calls timed in turn over n (after one warm-up call per n), beside the
@@ -39,6 +41,7 @@ from hf_dflash.checkpoints import load_drafter
 from hf_dflash.dtypes import cpu_flags
 from hf_dflash.generation.cost_timing import VERIFICATION_CONTEXT
 from hf_dflash.json_files import write_json_atomic
+from hf_dflash.packed_linears import packed_linears
 from hf_dflash.targets import load_target
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -118,7 +121,8 @@ def compile_each(function: Callable, sizes, run: Callable[[Callable, int], None]
     return compiled, compile_seconds
 
 
-def target_curves(target, layer_ids, tokens, context: int, reps: int, compile_mode: str, slot_counts) -> dict:
+def target_curves(target, layer_ids, tokens, context: int, reps: int, compile_mode: str | None, slot_counts) -> dict:
+    """Eager, packed, static and (`compile_mode` not "none") compiled forwards of n tokens after `context`."""
     hidden_request = [i + 1 for i in layer_ids]
     vocab = target.get_input_embeddings().num_embeddings
     ids = (torch.arange(context + max(tokens)) * 7919 % vocab)[None]
@@ -152,10 +156,12 @@ def target_curves(target, layer_ids, tokens, context: int, reps: int, compile_mo
 
     slots = context + max(tokens)
     static = prefilled_static(slots)
-    curves = {
-        "eager": median_in_turn(eager, tokens, reps),
-        "static": median_in_turn(lambda n: static_pass(target.forward, n, static), tokens, reps),
-    }
+    curves = {"eager": median_in_turn(eager, tokens, reps)}
+    with packed_linears(target, rows=8):
+        curves["packed"] = median_in_turn(eager, tokens, reps)
+    curves["static"] = median_in_turn(lambda n: static_pass(target.forward, n, static), tokens, reps)
+    if compile_mode == "none":
+        return {"seconds": curves, "static_slots": slots}
     compiled, compile_seconds = compile_each(
         target.forward, tokens, lambda f, n: static_pass(f, n, static), compile_mode
     )
@@ -207,6 +213,10 @@ def drafter_curves(target, drafter, tokens, context: int, reps: int, compile_mod
         cache.crop(-2 * k)
 
     curves = {"eager": median_in_turn(lambda k: draft(drafter.forward, k), tokens, reps)}
+    with packed_linears(drafter, rows=8):
+        curves["packed"] = median_in_turn(lambda k: draft(drafter.forward, k), tokens, reps)
+    if compile_mode == "none":
+        return {"seconds": curves}
     compiled, compile_seconds = compile_each(drafter.forward, tokens, draft, compile_mode)
     curves["compiled"] = median_in_turn(lambda k: draft(compiled[k], k), tokens, reps)
     return {"seconds": curves, "compile_seconds": compile_seconds}
@@ -286,8 +296,9 @@ def main(args: argparse.Namespace) -> None:
             "drafter": {**drafter_run, "limit_ms": drafter_limit, "weights": drafter_weights},
         }
         print_table(name, "target", target_run["seconds"], target_limit)
-        print("compile s per n: " + ", ".join(f"{n}: {s:.1f}" for n, s in target_run["compile_seconds"].items()))
-        for count, seconds in target_run["compiled_decode_by_slots"].items():
+        if "compile_seconds" in target_run:
+            print("compile s per n: " + ", ".join(f"{n}: {s:.1f}" for n, s in target_run["compile_seconds"].items()))
+        for count, seconds in target_run.get("compiled_decode_by_slots", {}).items():
             print(f"compiled decode step over {count} static slots: {1000 * seconds:.1f} ms")
         print_table(name, "drafter", drafter_run["seconds"], drafter_limit)
         del target, drafter
@@ -313,7 +324,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokens", type=parse_ints, default=(1, 2, 4, 8, 16, 32))
     parser.add_argument("--context", type=int, default=VERIFICATION_CONTEXT)
     parser.add_argument("--slots", type=parse_ints, default=(512, 2048), help="compiled decode step over these")
-    parser.add_argument("--compile-mode", default=None, help="torch.compile mode (default: inductor's default)")
+    parser.add_argument(
+        "--compile-mode",
+        default=None,
+        help="torch.compile mode (default: inductor's default; 'none': no compiled rows)",
+    )
     parser.add_argument("--freezing", action="store_true", help="inductor freezing (weights as constants)")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--out", default="out/cost_curve.json")

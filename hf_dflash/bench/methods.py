@@ -9,6 +9,9 @@
              by the measured cost of verification
     hybrid-tree  hybrid with drafter.draft_tree = "auto": the n-gram branch grafted onto the drafter's tree
     plain-alt  plain decoding with the target in the OTHER dtype (bf16 <-> fp32)
+    plain-packed  plain decoding with the target's linear layers through oneDNN with prepacked weights
+             (`hf_dflash.packed_linears`, the layout our loop keeps): the CPU lever our loop's "auto" uses, offered
+             to the baseline too
     plain-compiled  plain decoding with a StaticCache and Transformers' automatic `torch.compile` of the
              decoding step (`compile_config`, also on CPU); the cache holds the request rounded up to a
              multiple of 256 slots (a step attends over every slot: SmolLM2's fp32 compiled step costs 66 ms
@@ -40,6 +43,7 @@ import torch
 
 from ..generation.compiling import compiled_generate_kwargs, static_slots
 from ..generation.tree_drafting import AUTO_MAX_NODES
+from ..packed_linears import packed_linears
 
 __all__ = [
     "COMPILED_METHODS",
@@ -59,7 +63,7 @@ __all__ = [
     "max_round_length",
 ]
 
-EAGER_METHODS = ("plain", "dflash", "builtin", "lookup", "tree", "hybrid", "hybrid-tree", "plain-alt")
+EAGER_METHODS = ("plain", "dflash", "builtin", "lookup", "tree", "hybrid", "hybrid-tree", "plain-alt", "plain-packed")
 # StaticCache + compile_config (`compiled_generate_kwargs`), compiled in the warm-up: X-compiled runs X compiled
 COMPILED_METHODS = ("plain-compiled", "dflash-compiled", "tree-compiled", "hybrid-compiled", "hybrid-tree-compiled")
 METHODS = EAGER_METHODS + COMPILED_METHODS
@@ -67,7 +71,7 @@ TREE_SETTING = "auto"  # drafter.draft_tree of the "tree" and "hybrid-tree" meth
 TREE_METHODS = ("tree", "hybrid-tree", "tree-compiled", "hybrid-tree-compiled")  # the drafter drafts its own tree
 HYBRID_METHODS = ("hybrid", "hybrid-tree", "hybrid-compiled", "hybrid-tree-compiled")  # + an n-gram branch, one tree
 OWN_LOOP_METHODS = ("dflash", "dflash-compiled", *TREE_METHODS, *HYBRID_METHODS)  # rounds reported by our loop
-PLAIN_METHODS = ("plain", "plain-alt", "plain-compiled")  # no drafting: the candidates for the baseline
+PLAIN_METHODS = ("plain", "plain-alt", "plain-compiled", "plain-packed")  # no drafting: the candidates for the baseline
 PROMPT_LOOKUP_NUM_TOKENS = 10
 
 
@@ -173,6 +177,7 @@ def method_kwargs(method: str, drafter: torch.nn.Module | None) -> dict:
     return {
         "plain": {},
         "plain-alt": {},
+        "plain-packed": {},
         "dflash": {"assistant_model": drafter},
         "tree": {"assistant_model": drafter},
         "builtin": {"assistant_model": drafter, "speculation_type": "dflash"},
@@ -189,7 +194,7 @@ def eager_method(method: str) -> str:
 
 def max_round_length(method: str, block_size: int) -> int:
     """The most tokens one verification round of `method` can commit (drafts + bonus)."""
-    longest = {"plain": 1, "plain-alt": 1, "dflash": block_size, "builtin": block_size, "tree": block_size,
+    longest = {"plain": 1, "plain-alt": 1, "plain-packed": 1, "dflash": block_size, "builtin": block_size, "tree": block_size,
                "lookup": PROMPT_LOOKUP_NUM_TOKENS + 1}  # fmt: skip
     return longest.get(eager_method(method), max(block_size, PROMPT_LOOKUP_NUM_TOKENS + 1))  # hybrid: the deeper branch
 
@@ -223,11 +228,12 @@ def generate_with(
     # Only the methods whose rounds are read off the forwards pay for the hook (a few µs per forward).
     recorder = ForwardRecorder(target) if method in ("builtin", "lookup") else nullcontext()
     timer = ForwardTimer(target) if method in (*HYBRID_METHODS, *TREE_METHODS) else nullcontext()
+    packing = packed_linears(target) if method == "plain-packed" else nullcontext()
     tree_setting = getattr(drafter, "draft_tree", None) if drafter is not None else None
     if drafter is not None:  # only the tree methods draft trees
         drafter.draft_tree = TREE_SETTING if method in TREE_METHODS else None
     try:
-        with recorder, timer:
+        with recorder, timer, packing:
             _synchronize(target.device)
             start = time.perf_counter()
             extra = method_kwargs(method, drafter)

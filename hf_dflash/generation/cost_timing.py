@@ -27,6 +27,7 @@ from ..modeling_dflash import DFlashDraftModel
 from ..target_features import target_layer_features
 from .cost_model import CostModel, measured_block_lengths, measured_verification_lengths
 from .drafting import BlockDrafter
+from .linear_packing import is_packed
 from .tree import tree_attention_bias
 
 logger = logging.getLogger(__name__)
@@ -166,8 +167,8 @@ def device_name(device: torch.device) -> str:
 
 
 def cost_model_key(target: PreTrainedModel, drafter: DFlashDraftModel) -> dict:
-    """What the round cost depends on: both configs, device, dtypes, torch version and CPU threads (and the
-    context its verification passes are timed after)."""
+    """What the round cost depends on: both configs, device, dtypes, torch version, CPU threads, whether the
+    target's linear layers run packed (and the context its verification passes are timed after)."""
     return {
         "target_config": config_digest(target.config),
         "drafter_config": config_digest(drafter.config),
@@ -176,6 +177,7 @@ def cost_model_key(target: PreTrainedModel, drafter: DFlashDraftModel) -> dict:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "verification_context": VERIFICATION_CONTEXT,
+        "linear_packing": is_packed(target),  # timed inside `packed_linears` or not
     }
 
 

@@ -1,0 +1,160 @@
+"""Linear layers through oneDNN with prepacked weights: same products, layers restored, DFlash still lossless."""
+
+import pytest
+import torch
+from torch import nn
+
+from hf_dflash.generation.cost_timing import cost_model_key
+from hf_dflash.generation.linear_packing import is_packed, linear_packing_setting, loop_linear_packing
+from hf_dflash.packed_linears import (
+    PACK_ATTRIBUTE,
+    linear_packing_supported,
+    packed_linears,
+    packing_pays,
+    release_packed_weights,
+)
+from tests.conftest import make_drafter, make_target
+from tests.helpers.generation import plain_greedy, prompt
+
+pytestmark = pytest.mark.skipif(not linear_packing_supported(), reason="this torch build has no MKL-DNN")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 48), (8, 48), (2, 5, 48)])
+def test_packed_product_equals_the_default_one(dtype, bias, shape):
+    torch.manual_seed(0)
+    layer = nn.Linear(48, 40, bias=bias).to(dtype)
+    hidden = torch.randn(shape, dtype=dtype)
+    with torch.no_grad():
+        expected = layer(hidden)
+        with packed_linears(layer, rows=8) as count:
+            assert count == 1 and "forward" in vars(layer)
+            actual = layer(hidden)
+    assert actual.shape == expected.shape and actual.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance)
+    assert "forward" not in vars(layer)  # restored: the class's own forward again
+
+
+def test_state_dict_untouched_and_pack_kept_until_released():
+    model = make_target("llama")
+    keys = list(model.state_dict())
+    with torch.no_grad(), packed_linears(model):
+        model(prompt(0))
+        assert is_packed(model)
+        assert list(model.state_dict()) == keys
+    assert not is_packed(model)
+    layers = [layer for layer in model.modules() if isinstance(layer, nn.Linear)]
+    assert all(PACK_ATTRIBUTE in vars(layer) for layer in layers)  # reused by the next call
+    release_packed_weights(model)
+    assert not any(PACK_ATTRIBUTE in vars(layer) for layer in layers)
+
+
+def test_weight_changed_in_place_is_packed_again():
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 8)
+    hidden = torch.randn(3, 16)
+    with torch.no_grad(), packed_linears(layer):
+        layer(hidden)
+        layer.weight.mul_(2.0)
+        torch.testing.assert_close(layer(hidden), nn.functional.linear(hidden, layer.weight, layer.bias))
+        layer.weight = nn.Parameter(torch.randn(8, 16))
+        torch.testing.assert_close(layer(hidden), nn.functional.linear(hidden, layer.weight, layer.bias))
+
+
+def test_autograd_runs_the_default_path():
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 8)
+    hidden = torch.randn(3, 16, requires_grad=True)
+    with packed_linears(layer):
+        layer(hidden).sum().backward()
+    assert hidden.grad is not None and layer.weight.grad is not None
+
+
+def test_only_plain_cpu_linears_in_packable_dtypes_are_packed():
+    class Custom(nn.Linear):
+        pass
+
+    modules = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4).half(), Custom(4, 4), nn.Linear(4, 4).double()])
+    with packed_linears(modules) as count:
+        assert count == 1 and "forward" in vars(modules[0])
+        assert not any("forward" in vars(layer) for layer in modules[1:])
+
+
+@pytest.mark.parametrize("rows", [0, -1, 2.0, True, "8"])
+def test_bad_rows_are_refused(rows):
+    with pytest.raises(ValueError, match="positive int"):
+        with packed_linears(nn.Linear(4, 4), rows=rows):
+            pass
+
+
+def test_packing_pays_is_a_measured_verdict():
+    model = make_target("llama")
+    assert packing_pays(model, rows=8) in (True, False)
+    assert packing_pays(nn.Module()) is False  # nothing to pack
+
+
+@pytest.mark.parametrize("setting", ["yes", 1, None, "AUTO"])
+def test_bad_setting_is_refused_by_name(setting):
+    drafter = make_drafter(make_target("llama"))
+    drafter.linear_packing = setting
+    with pytest.raises(ValueError, match="drafter.linear_packing"):
+        linear_packing_setting(drafter)
+
+
+def test_cost_model_key_says_whether_the_target_was_packed():
+    target = make_target("llama")
+    drafter = make_drafter(target)
+    unpacked = cost_model_key(target, drafter)
+    with packed_linears(target):
+        packed = cost_model_key(target, drafter)
+    assert unpacked["linear_packing"] is False and packed["linear_packing"] is True
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("setting", [True, False])
+def test_dflash_with_packed_layers_matches_plain_greedy(arch, setting):
+    target = make_target(arch)
+    drafter = make_drafter(target, block_size=4)
+    drafter.linear_packing = setting
+    for seed in range(3):
+        input_ids = prompt(seed, length=5 + seed)
+        expected = plain_greedy(target, input_ids, max_new_tokens=30)
+        actual = target.generate(input_ids, do_sample=False, max_new_tokens=30, assistant_model=drafter)
+        assert torch.equal(actual, expected)
+    assert not is_packed(target) and not is_packed(drafter)
+
+
+@pytest.mark.parametrize("mode", ["tree", "hybrid", "batch"])
+def test_every_mode_with_packed_layers_matches_plain_greedy(mode):
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=4)
+    drafter.linear_packing = True
+    drafter.draft_tree = 6 if mode == "tree" else None
+    lookup = dict(prompt_lookup_num_tokens=3) if mode == "hybrid" else {}
+    if mode == "batch":
+        input_ids = torch.cat([prompt(1, length=6), prompt(2, length=6)])
+        expected = torch.cat([plain_greedy(target, input_ids[i : i + 1], max_new_tokens=24) for i in range(2)])
+    else:
+        input_ids = torch.cat([prompt(3, length=5)] * 2, 1)  # a repeat: n-gram drafts find something
+        expected = plain_greedy(target, input_ids, max_new_tokens=24)
+    actual = target.generate(input_ids, do_sample=False, max_new_tokens=24, assistant_model=drafter, **lookup)
+    assert torch.equal(actual, expected)
+
+
+def test_compiled_calls_are_not_packed():
+    target = make_target("llama")
+    drafter = make_drafter(target)
+    drafter.linear_packing = True
+    config = target.generation_config
+    with loop_linear_packing(target, drafter, config, {}) as count:
+        assert count > 0  # eager: packed
+    target._valid_auto_compile_criteria = lambda *args: True  # what a static cache + compile_config passes
+    with loop_linear_packing(target, drafter, config, {}) as count:
+        assert count == 0
+
+
+def test_auto_never_packs_bf16():
+    model = make_target("llama").to(torch.bfloat16)
+    assert packing_pays(model, rows=8) is False
