@@ -63,33 +63,29 @@ def packable(layer: nn.Module) -> bool:
 
 
 def packed_weight(layer: nn.Linear, rows: int) -> torch.Tensor:
-    """The layer's weight reordered for oneDNN (an opaque MKL-DNN tensor), made once per weight version."""
+    """The layer's weight reordered for oneDNN (an opaque MKL-DNN tensor), made again when the weight is replaced
+    or changed in place (the cached pack holds the weight it was made from, so its storage is never reused)."""
     weight = layer.weight
-    key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape), rows)
-    cached = getattr(layer, PACK_ATTRIBUTE, None)
-    if cached is None or cached[0] != key:
-        cached = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows))
-        setattr(layer, PACK_ATTRIBUTE, cached)
-    return cached[1]
+    cached = layer.__dict__.get(PACK_ATTRIBUTE)
+    if cached is None or cached[0] is not weight or cached[1] != (weight.data_ptr(), weight._version, rows):
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+        cached = (weight, (weight.data_ptr(), weight._version, rows), packed)
+        layer.__dict__[PACK_ATTRIBUTE] = cached
+    return cached[2]
 
 
 def packed_forward(layer: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     """`layer(hidden)` (..., in) -> (..., out) through the packed weight; the default path where autograd
     is needed or the input does not match the weight's dtype and device."""
-    weight = layer.weight
+    weight, bias = layer.weight, layer.bias
     if (
         hidden.dtype != weight.dtype
-        or hidden.device != weight.device
-        or (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad))
+        or hidden.device.type != "cpu"
+        or (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or bias is not None))
     ):
         return nn.Linear.forward(layer, hidden)
-    rows = hidden.numel() // hidden.shape[-1]
-    flat = hidden.reshape(rows, hidden.shape[-1])
-    bias = None if layer.bias is None else layer.bias.detach()
-    out = torch.ops.mkldnn._linear_pointwise(
-        flat, packed_weight(layer, getattr(layer, PACKED_ROWS)), bias, "none", [], ""
-    )
-    return out.reshape(*hidden.shape[:-1], out.shape[-1])
+    packed = packed_weight(layer, layer.__dict__[PACKED_ROWS])
+    return torch.ops.mkldnn._linear_pointwise(hidden, packed, bias, "none", [], "")
 
 
 @contextmanager

@@ -158,3 +158,19 @@ def test_compiled_calls_are_not_packed():
 def test_auto_never_packs_bf16():
     model = make_target("llama").to(torch.bfloat16)
     assert packing_pays(model, rows=8) is False
+
+
+def test_the_draft_vocabulary_head_is_packed_and_still_lossless():
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=4, draft_vocab_size=64)
+    drafter.linear_packing = True
+    head = drafter.draft_head(target.get_output_embeddings())
+    assert head is drafter.draft_head(target.get_output_embeddings())  # gathered once
+    assert not any(name.startswith("_draft") for name, _ in drafter.named_modules())  # never saved
+    with loop_linear_packing(target, drafter, target.generation_config, {}):
+        assert "forward" in vars(head)
+    input_ids = prompt(4, length=6)
+    expected = plain_greedy(target, input_ids, max_new_tokens=20)
+    assert torch.equal(
+        target.generate(input_ids, do_sample=False, max_new_tokens=20, assistant_model=drafter), expected
+    )

@@ -42,6 +42,8 @@ def loop_linear_packing(
     if setting is False or target._valid_auto_compile_criteria(model_kwargs, generation_config):
         return nullcontext(0)
     models = [model for model in (target, drafter) if setting is True or packing_pays(model, PACK_ROWS)]
+    if target in models and drafter.config.draft_vocab_size is not None:  # the target's head rows it drafts with
+        models.append(drafter.draft_head(target.get_output_embeddings()))
     return packed_linears(*models, rows=PACK_ROWS) if models else nullcontext(0)
 
 

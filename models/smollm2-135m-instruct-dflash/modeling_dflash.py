@@ -367,7 +367,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
             t2d[: config.draft_vocab_size] = True
             self.register_buffer("t2d", t2d)
-        self._draft_head = None  # (key, rows of the target LM head for the draft vocabulary)
+        self._draft_head = None  # (key, nn.Linear of the target LM head's rows for the draft vocabulary)
         self.post_init()
 
     @property
@@ -417,13 +417,22 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         if int(self.t2d.sum()) != len(ids) or not bool(self.t2d[ids].all()):
             raise ValueError("The draft vocabulary buffers disagree: t2d does not mark exactly the ids of d2t.")
 
-    def draft_head_weight(self, lm_head: nn.Module) -> torch.Tensor:
-        """(N, H) rows of the target's LM head for the draft vocabulary (gathered once, then reused while
-        the head's weight is unchanged)."""
+    def draft_head(self, lm_head: nn.Module) -> nn.Linear:
+        """The rows of the target's LM head for the draft vocabulary, as a Linear (H -> N) gathered once, then
+        reused while the head's weight is unchanged. Not a submodule: it is never saved, and it is a plain Linear
+        that CPU backends may run their own way (`hf_dflash.packed_linears`)."""
         weight = lm_head.weight
         key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, self.d2t.data_ptr(), self.d2t._version)
         if self._draft_head is None or self._draft_head[0] != key:
-            self._draft_head = (key, weight.detach().index_select(0, self.draft_token_ids.to(weight.device)))
+            ids = self.draft_token_ids.to(weight.device)
+            bias = getattr(lm_head, "bias", None)
+            head = nn.utils.skip_init(
+                nn.Linear, weight.shape[1], len(ids), bias=bias is not None, device=weight.device, dtype=weight.dtype
+            ).requires_grad_(False)
+            head.weight.copy_(weight.detach().index_select(0, ids))
+            if bias is not None:
+                head.bias.copy_(bias.detach()[ids])
+            self._draft_head = (key, head)  # in a tuple: not registered as a submodule
         return self._draft_head[1]
 
     def greedy_draft_tokens(self, hidden_states: torch.Tensor, lm_head: nn.Module) -> torch.LongTensor:
@@ -444,9 +453,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         if config.draft_vocab_size is None:  # the head may be bf16 under an fp32 drafter
             logits = lm_head(hidden_states.to(lm_head.weight.dtype))
             return transform_logits(logits, config.output_multiplier, config.final_logit_softcapping)
-        weight = self.draft_head_weight(lm_head)
-        bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias[self.draft_token_ids.to(weight.device)]
-        logits = nn.functional.linear(hidden_states.to(weight.dtype), weight, bias)
+        head = self.draft_head(lm_head)
+        logits = head(hidden_states.to(head.weight.dtype))
         logits = transform_logits(logits, config.output_multiplier, config.final_logit_softcapping)
         if not full_vocab:
             return logits
