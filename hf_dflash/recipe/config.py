@@ -148,4 +148,24 @@ def load_recipe_config(path: str | Path | None, target: str | None, max_prompts:
                 "ORG/NAME (or target_id: in the config)."
             )
         config["target_id"] = KNOWN_TARGETS[name].hub_id
+    check_late_settings(config)
     return config
+
+
+def check_late_settings(config: dict) -> None:
+    """The settings only the last stages read, checked now rather than after training."""
+    from ..bench.methods import check_methods
+    from ..checkpoints.files import as_dtype
+    from ..checkpoints.publish import check_hub_id
+
+    check_hub_id(config["target_id"], "target_id (--target-id)")
+    export = config["export"]
+    if export["repo_id"] is not None:
+        check_hub_id(export["repo_id"], "export.repo_id")
+    as_dtype(export["dtype"])
+    if config["features"]["dtype"] not in ("bfloat16", "float16", "float32"):
+        raise ValueError(f"features.dtype must be bfloat16, float16 or float32, got {config['features']['dtype']!r}.")
+    check_methods(config["bench"]["methods"])
+    sets = config["bench"]["sets"]
+    if sets is not None and (not isinstance(sets, list) or not all(isinstance(name, str) for name in sets)):
+        raise ValueError(f"bench.sets must be a list of set names (or null), got {sets!r}.")
