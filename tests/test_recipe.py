@@ -125,7 +125,9 @@ def test_interrupted_and_half_written_stages_resume_and_changed_settings_are_ref
     (root / "changed.yaml").write_text(yaml.safe_dump(config))
     changed = [*argv[:-4], "--config", str(root / "changed.yaml"), "--max-prompts", "8"]
     assert main(changed) == 2
-    error = capsys.readouterr().err
+    captured = capsys.readouterr()
+    error = captured.err
+    assert "[1/9]" not in captured.out  # refused before the first stage
     assert "stage bench" in error and "num_prompts: 2 -> 1" in error and "--redo bench" in error
     assert main([*changed, "--redo", "bench"]) == 0
     text = capsys.readouterr().out

@@ -85,7 +85,7 @@ def plan(config: dict, out: Path) -> RecipeRun:
 
 def _eta(seconds: float | None) -> str:
     if seconds is None:
-        return "seconds"
+        return "under a minute"
     minutes, secs = divmod(round(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"~{hours}h{minutes:02d}m" if hours else f"~{minutes}m{secs:02d}s" if minutes else f"~{secs}s"
@@ -149,8 +149,12 @@ def _main_process(run: RecipeRun, redo: str | None) -> int:
     claim_folder(run.out, run.config["target"])
     _redo(run, redo)
     _print_settings(run)
+    stages = _prints(run)
+    for stage, settings, print_, enabled in stages:  # a changed setting is refused before any stage runs
+        if enabled:
+            stage_state(run.out, stage.name, settings, print_)
     rows = []
-    for index, (stage, settings, print_, enabled) in enumerate(_prints(run), start=1):
+    for index, (stage, settings, print_, enabled) in enumerate(stages, start=1):
         if not enabled:
             print(f"[{index}/{len(STAGES)}] {stage.name:<10} off in the config: skipped", flush=True)
             rows.append((stage.name, "off", "-", 0.0, ""))

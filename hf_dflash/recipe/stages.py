@@ -86,7 +86,9 @@ PATHS = {
     "bench": "bench",
     "export": "export",
 }
-DECODE_FACTOR = 8  # a generated token costs about this many prompt tokens' forward (cache reads, small batches)
+# A generated token costs about this many prompt tokens' forward (SmolLM2-135M on 2 CPU cores: ~13x at batch 4,
+# ~6x at batch 64, from the regeneration rates measured in regenerate.py)
+DECODE_FACTOR = 8
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ class Stage:
     does: str
     settings: Callable[[RecipeRun], dict]
     run: Callable[[RecipeRun], str]  # returns a one-line result
-    estimate: Callable[[RecipeRun], float | None] = lambda run: None  # rough seconds; None: seconds at most
+    estimate: Callable[[RecipeRun], float | None] = lambda run: None  # rough seconds; None: under a minute
     resumable: bool = False
     enabled: Callable[[RecipeRun], bool] = lambda run: True
 
@@ -142,7 +144,7 @@ def _estimate_regenerate(run: RecipeRun) -> float:
     prompts = sum(1 for _ in read_jsonl(run.path("corpus") / "prompts.jsonl"))
     done = len(list(run.path("responses").glob("responses-*.jsonl"))) * run.data["shard_size"]
     tokens = max(prompts - done, 0) * run.data["max_new_tokens"]
-    return tokens * run.probe() * DECODE_FACTOR * 64 / max(min(run.data["batch_size"], 64), 1)
+    return tokens * run.probe() * DECODE_FACTOR
 
 
 def _run_tokenize(run: RecipeRun) -> str:
