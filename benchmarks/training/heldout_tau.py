@@ -22,10 +22,9 @@ from pathlib import Path
 import torch
 
 from hf_dflash.checkpoints import load_drafter
-from hf_dflash.data.packed import PackedDataset
 from hf_dflash.targets import load_target
-from hf_dflash.trainer.consistency import served_tau_estimate, served_tree_tau_estimates
-from hf_dflash.trainer.train import held_out_indices
+from hf_dflash.trainer.consistency import served_tree_tau_estimates
+from hf_dflash.trainer.heldout import held_out_samples, heldout_tau_row
 
 
 def main() -> None:
@@ -49,24 +48,16 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
-    dataset = PackedDataset(args.data)
-    held_out = [dataset[i] for i in held_out_indices(dataset, args.samples, args.eval_part)]
+    held_out = held_out_samples(args.data, args.samples, args.eval_part)
     target, _ = load_target(args.target, dtype=args.dtype)
     rows = []
     for path in args.drafters:
         drafter = load_drafter(path).to(target.dtype).eval()
-        start = time.perf_counter()
-        estimate = served_tau_estimate(drafter, target, held_out)
+        row = heldout_tau_row(drafter, target, held_out)
         rows.append(
-            {
-                "drafter": path,
-                "served_tau": round(estimate.served_tau, 4),
-                "all_anchor_tau": round(estimate.uniform_tau, 4),
-                "rounds": len(estimate.rounds),
-                "seconds": round(time.perf_counter() - start, 1),
-            }
+            {"drafter": path, **{key: row[key] for key in ("served_tau", "all_anchor_tau", "rounds", "seconds")}}
         )
-        print(f"{path}: served-walk τ {estimate.served_tau:.3f}, all-anchor τ {estimate.uniform_tau:.3f}", flush=True)
+        print(f"{path}: served-walk τ {row['served_tau']:.3f}, all-anchor τ {row['all_anchor_tau']:.3f}", flush=True)
         if budgets:
             start = time.perf_counter()
             trees = served_tree_tau_estimates(drafter, target, held_out, budgets, top_k=args.top_k)

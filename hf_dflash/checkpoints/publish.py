@@ -49,7 +49,7 @@ LOGIN_HINT = (
 )
 
 
-def _check_hub_id(value: str, name: str) -> None:
+def check_hub_id(value: str, name: str) -> None:
     if not isinstance(value, str) or not _HUB_ID.match(value) or "--" in value or ".." in value:
         raise ValueError(
             f"{name}={value!r} is not a Hub repository id; use 'org/name', e.g. 'HuggingFaceTB/SmolLM2-135M-Instruct'."
@@ -81,9 +81,9 @@ def export_drafter(
         repo_id: the drafter's own Hub id for the usage snippets; when None, a placeholder that
             `push_folder` replaces with the id it pushes to.
     """
-    _check_hub_id(target_id, "target_id")
+    check_hub_id(target_id, "target_id")
     if repo_id is not None:
-        _check_hub_id(repo_id, "repo_id")
+        check_hub_id(repo_id, "repo_id")
     # Validate every input before the first file is written.
     benchmark = load_benchmark(benchmark_json) if benchmark_json is not None else None
     record = load_training_record(training_record) if training_record is not None else None
@@ -153,7 +153,7 @@ def push_folder(
     or with one the Hub refuses, raises a ValueError saying how to log in.
     """
     folder = Path(out_dir)
-    _check_hub_id(repo_id, "repo_id")
+    check_hub_id(repo_id, "repo_id")
     if folder.is_file():
         raise ValueError(f"{folder} is a file; give the folder written by `hf-dflash export`.")
     # The folder's lock for the upload and the card's rewrite: never a half-written export, nor two card rewrites.
@@ -201,4 +201,4 @@ def _push(folder: Path, repo_id: str, private: bool, token: str | None) -> str:
     return str(url)
 
 
-__all__ = ["OFFICIAL_SUBFOLDER", "export_drafter", "push_folder"]
+__all__ = ["OFFICIAL_SUBFOLDER", "check_hub_id", "export_drafter", "push_folder"]

@@ -88,6 +88,10 @@ def _training_context(record: dict) -> dict:
         "sources": [(_cell(name), count) for name, count in sources.items()],
         "hyperparameters": [(_cell(k), _value(v)) for k, v in record["hyperparameters"].items()],
         "final_metrics": [(_cell(k), format_number(v)) for k, v in record.get("final_metrics", {}).items()],
+        "derived_settings": [
+            (_cell(name), _value(item.get("value")), _cell(f"{item.get('source', '')}: {item.get('reason', '')}"))
+            for name, item in record.get("derived_settings", {}).items()
+        ],
     }
 
 

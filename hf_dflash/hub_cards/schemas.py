@@ -52,6 +52,7 @@ RECORD_OPTIONAL = {
     "hardware": str,
     "final_metrics": dict,
     "draft_vocab": dict,  # trainer.draft_vocab.draft_vocab_report: size, coverage, sizes per coverage
+    "derived_settings": dict,  # hf-dflash recipe: {name: {value, source ("derived"/"config"), reason}}
 }
 _JSON_TYPES = {str: "string", dict: "object", list: "array", int: "integer", float: "number", bool: "boolean"}
 

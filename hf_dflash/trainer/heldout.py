@@ -1,0 +1,39 @@
+"""Held-out τ of a drafter on chats training did not see: the figure that decides, before the (slow) bench,
+whether a drafter is worth serving (`benchmarks/training/heldout_tau.py` compares several; the recipe's
+`heldout` stage scores the one it trained).
+
+    samples = held_out_samples("data/smollm2-135m-instruct", 64, eval_part="regen-bf16-part2")
+    row = heldout_tau_row(drafter, target, samples)   # {"served_tau", "all_anchor_tau", "rounds", "seconds"}
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from ..data.packed import PackedDataset
+from .consistency import served_tau_estimate
+from .train import held_out_indices
+
+__all__ = ["held_out_samples", "heldout_tau_row"]
+
+
+def held_out_samples(packed: str | Path, count: int, eval_part: str | None = None) -> list[dict]:
+    """The held-out chats of a packed folder: the first `count` of part `eval_part`, else the last `count` (the
+    samples `hf-dflash train` holds out with `data.eval_samples: count`)."""
+    dataset = PackedDataset(packed)
+    return [dataset[i] for i in held_out_indices(dataset, count, eval_part)]
+
+
+def heldout_tau_row(drafter, target, samples: list[dict]) -> dict:
+    """Served-walk τ (anchors visited as `generate` visits them) and uniform all-anchor τ of `drafter` on
+    `samples`, with the number of served rounds and the seconds it took."""
+    start = time.perf_counter()
+    estimate = served_tau_estimate(drafter, target, samples)
+    return {
+        "served_tau": round(estimate.served_tau, 4),
+        "all_anchor_tau": round(estimate.uniform_tau, 4),
+        "rounds": len(estimate.rounds),
+        "samples": len(samples),
+        "seconds": round(time.perf_counter() - start, 1),
+    }

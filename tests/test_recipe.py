@@ -1,0 +1,210 @@
+"""`hf-dflash recipe`: a tiny local Qwen3 folder to an exported drafter, every stage skipped on a re-run,
+interrupted and half-written stages resumed or redone, changed settings refused, derived defaults, bad input."""
+
+import contextlib
+import io
+import json
+import shutil
+
+import pytest
+import yaml
+from transformers import LlamaConfig
+
+from hf_dflash.cli import main
+from hf_dflash.data import corpus, regenerate
+from hf_dflash.recipe import derive_defaults
+from hf_dflash.trainer.trainer import DFlashTrainer
+from tests.conftest import make_target
+from tests.helpers.data import EVAL_SUITE, make_char_tokenizer, write_lines
+
+STAGES = ["prompts", "regenerate", "tokenize", "pack", "train", "heldout", "bench", "export"]  # features: off
+
+
+def tiny_recipe(root):
+    """(argv, config) of a tiny recipe run: a random 6-layer Qwen3 with a character tokenizer, 8 prompts."""
+    make_target("qwen3").save_pretrained(root / "target")
+    make_char_tokenizer().save_pretrained(root / "target")
+    prompts = write_lines(
+        root / "prompts.jsonl", [{"prompt": f"Tell me about the number {i}, please."} for i in range(10)]
+    )
+    config = {
+        "dtype": "float32",
+        "target_id": "tiny/qwen3",
+        "data": {"sources": [], "prompts": str(prompts), "max_new_tokens": 24, "batch_size": 4, "shard_size": 4,
+                 "max_length": 256, "max_prompt_tokens": 128, "eval_samples": 2},
+        "training": {"block_size": 4, "max_steps": 4, "per_device_train_batch_size": 2, "num_anchors": 8,
+                     "save_steps": 2, "logging_steps": 1, "disable_tqdm": True},
+        "bench": {"prompts": str(prompts), "num_prompts": 2, "max_new_tokens": 8},
+    }  # fmt: skip
+    (root / "recipe.yaml").write_text(yaml.safe_dump(config))
+    argv = [
+        "recipe",
+        "--target",
+        str(root / "target"),
+        "--out",
+        str(root / "out"),
+        "--config",
+        str(root / "recipe.yaml"),
+    ]
+    return argv + ["--max-prompts", "8"], config
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished tiny recipe folder: (root, argv, what the first run printed)."""
+    root = tmp_path_factory.mktemp("recipe")
+    argv, _ = tiny_recipe(root)
+    stream = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(stream):
+        patch.setattr(corpus, "load_eval_suite", lambda: EVAL_SUITE)
+        assert main(argv) == 0
+    return root, argv, stream.getvalue()
+
+
+def no_work(patch):
+    """Make regeneration and training fail the test if they run."""
+    patch.setattr(regenerate, "regenerate_shard", lambda *a, **k: pytest.fail("regeneration ran again"))
+    patch.setattr(DFlashTrainer, "train", lambda *a, **k: pytest.fail("training ran again"))
+
+
+def test_tiny_recipe_reaches_an_exported_drafter_and_a_rerun_skips_every_stage(finished, monkeypatch, capsys):
+    root, argv, first = finished
+    out = root / "out"
+    for stage in STAGES:
+        assert (
+            f"] {stage:<10} " in first and json.loads((out / "stages" / f"{stage}.json").read_text())["stage"] == stage
+        )
+    assert "features   off in the config" in first and not (out / "stages" / "features.json").exists()
+    assert "target_layer_ids = [1, 2, 3] (derived:" in first and "block_size = 4 (config:" in first
+    assert "rough ETA" in first and "| stage | status | ETA | time | result |" in first
+    export = out / "export"
+    for name in ("config.json", "model.safetensors", "README.md", "benchmark.json", "training_record.json"):
+        assert (export / name).is_file(), name
+    assert (export / "official" / "config.json").is_file()
+    card = (export / "README.md").read_text()
+    assert "| `num_hidden_layers` | `1` | derived:" in card and "tiny/qwen3" in card
+    record = json.loads((export / "training_record.json").read_text())
+    assert record["derived_settings"]["target_layer_ids"]["value"] == [1, 2, 3]
+    assert json.loads((out / "heldout" / "heldout_tau.json").read_text())["result"]["samples"] == 2
+
+    monkeypatch.setattr(corpus, "load_eval_suite", lambda: EVAL_SUITE)
+    no_work(monkeypatch)
+    assert main(argv) == 0
+    second = capsys.readouterr().out
+    assert second.count("done already") == len(STAGES) and "rough ETA" not in second
+
+
+def test_interrupted_and_half_written_stages_resume_and_changed_settings_are_refused(finished, monkeypatch, capsys):
+    root, argv, _ = finished
+    out = root / "out"
+    monkeypatch.setattr(corpus, "load_eval_suite", lambda: EVAL_SUITE)
+    capsys.readouterr()
+    # a regeneration killed in its second shard (no marker, shard 1 missing) and an export killed mid-way
+    (out / "stages" / "regenerate.json").unlink()
+    shard = out / "data" / "responses" / "responses-00001.jsonl"
+    before = shard.read_text()
+    shard.unlink()
+    (out / "stages" / "export.json").unlink()
+    (out / "export" / "model.safetensors").write_bytes(b"half-written")
+    calls = []
+    original = regenerate.regenerate_shard
+    monkeypatch.setattr(regenerate, "regenerate_shard", lambda *a, **k: calls.append(1) or original(*a, **k))
+    monkeypatch.setattr(DFlashTrainer, "train", lambda *a, **k: pytest.fail("training ran again"))
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "regenerate replies regenerated by the target (resuming)" in text and shard.read_text() == before
+    assert len(calls) == 1 and text.count("done already") == len(STAGES) - 2
+    assert "export     Hub repository folder with card, rough ETA" in text
+    from safetensors.torch import load_file
+
+    assert load_file(out / "export" / "model.safetensors")  # rewritten whole, not taken as complete
+
+    # a changed setting: refused by name, then re-run explicitly with --redo
+    config = yaml.safe_load((root / "recipe.yaml").read_text())
+    config["bench"]["num_prompts"] = 1
+    (root / "changed.yaml").write_text(yaml.safe_dump(config))
+    changed = [*argv[:-4], "--config", str(root / "changed.yaml"), "--max-prompts", "8"]
+    assert main(changed) == 2
+    captured = capsys.readouterr()
+    error = captured.err
+    assert "[1/9]" not in captured.out  # refused before the first stage
+    assert "stage bench" in error and "num_prompts: 2 -> 1" in error and "--redo bench" in error
+    assert main([*changed, "--redo", "bench"]) == 0
+    text = capsys.readouterr().out
+    assert "deleted the output and markers of bench, export" in text and text.count("done already") == 6
+    assert main([*argv, "--redo", "bench"]) == 0  # back to the fixture's settings
+
+
+def test_derived_defaults_follow_the_target():
+    def derived(**fields):
+        config = LlamaConfig(num_attention_heads=4, num_key_value_heads=4, **fields)
+        return {setting.name: setting for setting in derive_defaults(config, {}, {})}
+
+    smol = derived(num_hidden_layers=30, hidden_size=576, vocab_size=49152)
+    assert smol["target_layer_ids"].value == [1, 8, 14, 20, 27] and smol["target_layer_ids"].source == "derived"
+    assert (smol["block_size"].value, smol["num_hidden_layers"].value, smol["draft_vocab_size"].value) == (8, 2, 8192)
+    gemma = derived(num_hidden_layers=18, hidden_size=640, vocab_size=262144)
+    assert gemma["draft_vocab_size"].value == 32768 < 262144 and len(gemma["target_layer_ids"].value) == 5
+    large = derived(num_hidden_layers=36, hidden_size=4096, vocab_size=151936)
+    assert large["target_layer_ids"].value == [1, 9, 17, 25, 33]
+    assert (large["block_size"].value, large["num_hidden_layers"].value) == (16, 5)
+    small_vocab = derived(num_hidden_layers=6, hidden_size=32, vocab_size=128)
+    assert small_vocab["draft_vocab_size"].value is None and small_vocab["target_layer_ids"].value == [1, 2, 3]
+    for setting in smol.values():
+        assert setting.reason and setting.name in setting.line()
+    chosen = derive_defaults(LlamaConfig(num_hidden_layers=30), {"num_hidden_layers": 4}, {"block_size": 16})
+    chosen = {setting.name: setting for setting in chosen}
+    assert (chosen["num_hidden_layers"].value, chosen["num_hidden_layers"].source) == (4, "config")
+    assert (chosen["block_size"].value, chosen["block_size"].source) == (16, "config")
+
+
+def test_bad_input_is_refused_before_anything_is_written(tmp_path, capsys):
+    argv, config = tiny_recipe(tmp_path)
+    capsys.readouterr()
+
+    def refused(args, *expected):
+        assert main(args) == 2
+        error = capsys.readouterr().err
+        assert error.startswith("hf-dflash recipe: error: ")
+        for text in expected:
+            assert text in error, error
+
+    out = tmp_path / "out"
+    refused(
+        ["recipe", "--target", "no-such-model", "--out", str(out)], "Unknown target 'no-such-model'", "known target"
+    )
+    refused(["recipe", "--target", str(tmp_path / "target"), "--out", str(out)], "--target-id ORG/NAME")
+    (tmp_path / "typo.yaml").write_text(yaml.safe_dump({**config, "trainig": {}, "bench": {"num_prompt": 2}}))
+    refused(
+        [*argv[:-4], "--config", str(tmp_path / "typo.yaml")],
+        "trainig: unknown key (did you mean training?)",
+        "bench.num_prompt: unknown key (did you mean num_prompts?)",
+    )
+    (tmp_path / "drafter.yaml").write_text(yaml.safe_dump({**config, "drafter": {"num_layers": 2}}))
+    refused([*argv[:-4], "--config", str(tmp_path / "drafter.yaml")], "drafter.num_layers: unknown key")
+    refused([*argv, "--target-id", "not a hub id"], "target_id (--target-id)='not a hub id' is not a Hub repository id")
+    (tmp_path / "methods.yaml").write_text(yaml.safe_dump({**config, "bench": {"methods": ["plain", "dflsh"]}}))
+    refused([*argv[:-4], "--config", str(tmp_path / "methods.yaml")], "Unknown or no methods")
+    assert not out.exists()
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    refused(argv, "holds files the recipe did not make (notes.txt)")
+    assert [path.name for path in out.iterdir()] == ["notes.txt"]
+    refused([*argv, "--redo", "everything"], "--redo 'everything': not a stage")
+    shutil.rmtree(out)
+
+
+@pytest.mark.slow
+def test_the_same_recipe_trains_under_accelerate_launch_on_two_cpu_processes(tmp_path):
+    """Two gloo processes: the main one runs every stage, the other joins the training (world size 2)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    argv, _ = tiny_recipe(tmp_path)
+    worker = str(Path(__file__).parent / "recipe_worker.py")
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
+    subprocess.run([*launcher, worker, *argv], check=True, timeout=300, cwd=tmp_path)
+    record = json.loads((tmp_path / "out" / "export" / "training_record.json").read_text())
+    assert record["hyperparameters"]["world_size"] == 2 and record["global_steps"] == 4
