@@ -337,6 +337,20 @@ NOT_AN_ASSISTANT = (
 )
 
 
+@torch.no_grad()
+def head_rows(lm_head: nn.Module, ids: torch.LongTensor) -> nn.Linear:
+    """A frozen Linear holding rows `ids` (N,) of `lm_head` (and of its bias): logits over those ids only."""
+    weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+    ids = ids.to(weight.device)
+    head = nn.utils.skip_init(
+        nn.Linear, weight.shape[1], len(ids), bias=bias is not None, device=weight.device, dtype=weight.dtype
+    ).requires_grad_(False)
+    head.weight.copy_(weight.index_select(0, ids))
+    if bias is not None:
+        head.bias.copy_(bias[ids])
+    return head
+
+
 class DFlashDraftModel(DFlashPreTrainedModel):
     """DFlash drafter: fused target context injected as extra keys/values into every layer."""
 
@@ -424,15 +438,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         weight = lm_head.weight
         key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, self.d2t.data_ptr(), self.d2t._version)
         if self._draft_head is None or self._draft_head[0] != key:
-            ids = self.draft_token_ids.to(weight.device)
-            bias = getattr(lm_head, "bias", None)
-            head = nn.utils.skip_init(
-                nn.Linear, weight.shape[1], len(ids), bias=bias is not None, device=weight.device, dtype=weight.dtype
-            ).requires_grad_(False)
-            head.weight.copy_(weight.detach().index_select(0, ids))
-            if bias is not None:
-                head.bias.copy_(bias.detach()[ids])
-            self._draft_head = (key, head)  # in a tuple: not registered as a submodule
+            self._draft_head = (key, head_rows(lm_head, self.draft_token_ids))  # a tuple: not a submodule
         return self._draft_head[1]
 
     def greedy_draft_tokens(self, hidden_states: torch.Tensor, lm_head: nn.Module) -> torch.LongTensor:
