@@ -546,3 +546,37 @@ def test_a_drafter_config_carries_a_recommended_policy(tmp_path):
 def test_a_bad_recommended_policy_is_named(bad):
     with pytest.raises(ValueError, match=f"block_size_policy={bad!r} must be None"):
         make_drafter(make_target("llama"), block_size=6, block_size_policy=bad)
+
+
+def test_calibrated_seconds_substitute_measured_rounds_and_scale_the_drafting_ones():
+    from hf_dflash.generation.adaptive import calibrated_seconds
+
+    modelled = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
+    assert torch.equal(calibrated_seconds(modelled, {}), modelled)
+    calibrated = calibrated_seconds(modelled, {3: 6.0})  # the 3-token round took twice what the model said
+    assert calibrated.tolist() == [1.0, 4.0, 6.0, 8.0]  # a plain step stays as modelled until timed
+    assert modelled.tolist() == [1.0, 2.0, 3.0, 4.0]  # the model itself is untouched
+    assert calibrated_seconds(modelled, {1: 3.0, 2: 6.0, 4: 4.0}).tolist() == [3.0, 6.0, 6.0, 4.0]  # ratio (3 + 1) / 2
+
+
+def test_timed_rounds_fall_back_to_plain_steps_where_drafting_does_not_pay(monkeypatch):
+    import hf_dflash.generation.adaptive as adaptive
+
+    cost = CostModel.from_function(lambda k: 1.0 + 0.01 * k, 4)  # drafting looks nearly free
+    controller = adaptive.AdaptiveController(adaptive.AdaptiveBlockSize(), 4, 1, cost, calibrate=True)
+    now = [0.0]
+
+    def clock():  # a drafting round takes 5 s, a plain step 1 s
+        if controller.pending is not None:
+            now[0] += 5.0 if controller.pending[1] > 1 else 1.0
+        return now[0]
+
+    monkeypatch.setattr(adaptive.time, "perf_counter", clock)
+    chosen = []
+    for _ in range(6):
+        chosen.append(controller.choose([0]))
+        controller.observe([0], chosen[-1] - 1, torch.tensor([1 if chosen[-1] > 1 else 0]))  # one draft accepted
+    assert chosen[0] == 4  # optimistic prior, modelled costs
+    assert chosen[-3:] == [1, 1, 1]  # 2 tokens per 5 s lose to 1 token per second
+    uncalibrated = adaptive.AdaptiveController(adaptive.AdaptiveBlockSize(), 4, 1, cost)
+    assert [uncalibrated.choose([0]) for _ in range(3)] == [4, 4, 4] and uncalibrated.measured == {}
