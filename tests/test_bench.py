@@ -11,7 +11,7 @@ import torch
 
 from hf_dflash.bench import METHODS, generate_with, load_prompt_sets, run_bench
 from hf_dflash.bench.card import divergence_note
-from hf_dflash.bench.methods import COMPILED_METHODS, ForwardRecorder, eager_method
+from hf_dflash.bench.methods import COMPILED_METHODS, PLAIN_METHODS, ForwardRecorder, eager_method
 from hf_dflash.bench.report import format_table
 from hf_dflash.bench.runner import rotated
 from hf_dflash.cli import main
@@ -112,8 +112,8 @@ def test_report_has_every_field_and_all_methods_equal_plain_greedy_in_fp32(greed
     for row in [*report["sets"].values(), report["overall"]]:
         assert row["n"] == 3 and row["generations"] == 4  # the 2-turn prompt answers twice
         assert set(row["methods"]) == set(METHODS)
-        # the baseline is the fastest plain decoding: plain (fp32 here), plain-alt (bf16) or plain-compiled
-        plain_rates = {method: row["methods"][method]["tok_s"] for method in ("plain", "plain-alt", "plain-compiled")}
+        # the baseline is the fastest plain decoding: plain (fp32 here), plain-alt (bf16), plain-compiled or plain-packed
+        plain_rates = {method: row["methods"][method]["tok_s"] for method in PLAIN_METHODS}
         assert row["baseline"] == max(plain_rates, key=plain_rates.get)
         for method, stats in row["methods"].items():
             assert set(stats) == METHOD_FIELDS
@@ -121,7 +121,7 @@ def test_report_has_every_field_and_all_methods_equal_plain_greedy_in_fp32(greed
             assert stats["speedup"] == pytest.approx(stats["tok_s"] / max(plain_rates.values()))
             if method in ("plain", "plain-alt"):
                 assert stats["identical"] is None and stats["tau"] is None
-            elif method == "plain-compiled":  # compiled fp32 plain greedy: the same tokens, no rounds
+            elif method in ("plain-compiled", "plain-packed"):  # fp32 plain greedy: the same tokens, no rounds
                 assert stats["identical"] is True and stats["tau"] is None
             else:
                 assert stats["identical"] is True and stats["divergences"] == 0
