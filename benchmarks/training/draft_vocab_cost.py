@@ -94,7 +94,7 @@ def training_step_seconds(drafter, target, batch: dict, optimizer) -> float:
     lm_head = target.get_output_embeddings()
     head = None
     if drafter.config.draft_vocab_size is not None:
-        head = (drafter.draft_head_weight(lm_head), target_to_draft_index(drafter.t2d))
+        head = (drafter.draft_head(lm_head).weight, target_to_draft_index(drafter.t2d))
     weights = batch["loss_weights"]
     loss_sum, _ = weighted_cross_entropy_sum(hidden, lm_head, batch["labels"], weights, head)
     (loss_sum / weights.sum()).backward()

@@ -126,7 +126,7 @@ class DFlashTrainer(Trainer):
         draft_head = None
         supervised = weights > 0
         if drafter.config.draft_vocab_size is not None:
-            draft_head = (drafter.draft_head_weight(lm_head), target_to_draft_index(drafter.t2d))
+            draft_head = (drafter.draft_head(lm_head).weight, target_to_draft_index(drafter.t2d))
             self._count("draft_vocab_miss", (supervised & ~drafter.t2d[inputs["labels"]]).sum(), supervised.sum())
         if self.args.position_weighting == "dpace":
             # The weights follow this micro-batch's own confidence: normalised here, averaged over accumulation
