@@ -123,3 +123,17 @@ def test_gemma3_loads_converted_and_continues_plain_text(real_cache_dir):
     input_ids, loss_mask = tokenize_conversation(tokenizer, [*messages, assistant(reply)])
     assert input_ids[: len(prompt_ids)] == prompt_ids
     assert tokenizer.decode([t for t, m in zip(input_ids, loss_mask) if m]) == reply
+
+
+def test_bench_prompts_of_a_base_model_are_the_running_text_training_reads():
+    from hf_dflash.bench.runner import chat_inputs
+
+    tokenizer = make_char_tokenizer(chat_template=None)
+    messages = [user("Once upon a time")]
+    inputs = chat_inputs(tokenizer, messages, torch.device("cpu"))
+    text = render_conversation(tokenizer, messages, add_generation_prompt=True)
+    assert inputs["input_ids"][0].tolist() == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert inputs["attention_mask"].all()
+    chat = make_char_tokenizer()  # with a chat template: its rendering with the assistant header
+    expected = chat.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    assert torch.equal(chat_inputs(chat, messages, torch.device("cpu"))["input_ids"], expected["input_ids"])

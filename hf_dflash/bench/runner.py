@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from ..data.regenerate import render_conversation
 from .divergence import Divergence, first_divergence
 from .methods import COMPILED_METHODS, METHODS, Generation, check_methods, generate_with, static_cache_slots
 
@@ -51,10 +52,11 @@ def rotated(methods: Sequence[str], index: int) -> list[str]:
 
 
 def chat_inputs(tokenizer, messages: list[dict], device: torch.device) -> dict[str, torch.Tensor]:
-    """The chat-templated prompt (with the assistant header) as `generate` inputs of batch size 1."""
-    if not tokenizer.chat_template:
-        raise ValueError("The target's tokenizer has no chat template; the benchmark prompts are chat messages.")
-    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    """The prompt as `generate` inputs of batch size 1: chat-templated with the assistant header, or, for a base
+    model without a chat template, the running text the training data renders (`render_conversation`: BOS, then
+    the messages back to back), so the answer is its continuation."""
+    text = render_conversation(tokenizer, messages, add_generation_prompt=True)
+    inputs = tokenizer(text, add_special_tokens=False, return_tensors="pt")
     return {key: value.to(device) for key, value in inputs.items()}
 
 

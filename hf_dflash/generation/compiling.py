@@ -41,13 +41,14 @@ def choose_compile(setting: str, device: torch.device | str) -> tuple[bool, str]
 
     `auto` follows Transformers' own default: compiled on accelerators (CUDA graphs remove the launch and
     Python overhead of a round's small kernels), eager on CPU, where each static cache length first costs
-    35-48 s of compile (2-core Zen 4): it pays back only over long runs, where it is worth 1.14x (bf16, the v5
-    README bench: compiled DFlash 1.68x the fastest plain, eager 1.47x; docs/results.md)."""
+    35-48 s of compile (2-core Zen 4/5), and eager rounds run their linear layers packed where that pays
+    (fp32; compiled ones cannot): measured on a 2-core Zen 5 in fp32, eager DFlash 1.43x the fastest plain,
+    compiled 1.00x; in bf16 (Zen 4, the v5 bench) compiled was worth 1.14x over long runs (docs/results.md)."""
     if setting not in COMPILE_SETTINGS:
         raise ValueError(f"--compile must be one of {', '.join(COMPILE_SETTINGS)}, got {setting!r}.")
     device_type = torch.device(device).type
     if setting == "auto":
         if device_type == "cpu":
-            return False, "auto: eager on CPU (each cache length compiles for ~40 s first, then ~1.14x: --compile on)"
+            return False, "auto: eager on CPU (packed fp32 layers beat compiled rounds; each cache length compiles ~40 s)"
         return True, f"auto: compiled on {device_type} (static cache, CUDA graphs)"
     return setting == "on", setting
