@@ -2,14 +2,15 @@
 
 Layers, bottom to top (a module may import its own layer and any lower one):
 
-    0  utilities            json_files, packaged_files, dtypes, caches, folder_lock, user_errors, output_paths
+    0  utilities            json_files, packaged_files, dtypes, caches, folder_lock, user_errors, output_paths,
+                            packed_linears (CPU linear layers through oneDNN)
     1  models               modeling_dflash, targets (the target registry), target_features
     2  cards                hub_cards (model card, training record, benchmark JSON schemas)
     3  checkpoints          formats, loading, saving, converting, publishing
     4  generation           the decoding loop and what it needs
     5  data, trainer        data preparation and training
     6  bench                benchmarks of generation
-    7  entry points         cli, demo, generate_command, the package __init__
+    7  entry points         cli, demo, generate_command, recipe (every command's stages), the package __init__
 
 Function-level imports count too: a lazy import is still a dependency.
 """
@@ -30,6 +31,7 @@ LAYERS = {
     "folder_lock": 0,
     "user_errors": 0,
     "output_paths": 0,
+    "packed_linears": 0,
     "modeling_dflash": 1,
     "targets": 1,
     "target_features": 1,
@@ -42,6 +44,7 @@ LAYERS = {
     "cli": 7,
     "demo": 7,
     "generate_command": 7,
+    "recipe": 7,
     "__init__": 7,
 }
 
