@@ -87,7 +87,11 @@ class TargetSpec:
 DEFAULT_TARGET = "smollm2-135m-instruct"
 
 # The drafters this repository ships, per target (models/): what the demo and `hf-dflash generate` use by default.
-SHIPPED_DRAFTERS = {DEFAULT_TARGET: Path(__file__).resolve().parent.parent / "models" / "smollm2-135m-instruct-dflash"}
+MODELS = Path(__file__).resolve().parent.parent / "models"
+SHIPPED_DRAFTERS = {
+    DEFAULT_TARGET: MODELS / "smollm2-135m-instruct-dflash",
+    "gemma3-270m": MODELS / "gemma3-270m-dflash",
+}
 
 
 def shipped_drafter(target: str) -> Path:

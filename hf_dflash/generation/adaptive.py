@@ -244,7 +244,9 @@ class AdaptiveController:
     def time_round(self, rows: int, k: int, start: float, seconds: float) -> None:
         """A round of `rows` rows at block length k took `seconds` (a running average per k, recent rounds first)."""
         measured = self.measured.setdefault(rows, {})
-        measured[k] = seconds if k not in measured else ROUND_TIME_DECAY * measured[k] + (1 - ROUND_TIME_DECAY) * seconds
+        measured[k] = (
+            seconds if k not in measured else ROUND_TIME_DECAY * measured[k] + (1 - ROUND_TIME_DECAY) * seconds
+        )
 
     def observe(self, rows: Sequence[int], num_drafts: int, num_accepted: torch.Tensor) -> None:
         index = list(rows)

@@ -49,6 +49,9 @@ def choose_compile(setting: str, device: torch.device | str) -> tuple[bool, str]
     device_type = torch.device(device).type
     if setting == "auto":
         if device_type == "cpu":
-            return False, "auto: eager on CPU (packed fp32 layers beat compiled rounds; each cache length compiles ~40 s)"
+            return (
+                False,
+                "auto: eager on CPU (packed fp32 layers beat compiled rounds; each cache length compiles ~40 s)",
+            )
         return True, f"auto: compiled on {device_type} (static cache, CUDA graphs)"
     return setting == "on", setting
