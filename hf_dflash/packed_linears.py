@@ -33,6 +33,7 @@ from torch import nn
 __all__ = [
     "PACKABLE_DTYPES",
     "PACK_ROWS",
+    "is_packed",
     "linear_packing_supported",
     "packed_linears",
     "packing_pays",
@@ -40,7 +41,7 @@ __all__ = [
 ]
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-PACK_ATTRIBUTE = "_hf_dflash_packed_weight"  # (key, packed weight) on a layer that was packed
+PACK_ATTRIBUTE = "_hf_dflash_packed_weight"  # (weight, its key, packed weight) on a layer that was packed
 PACKED_ROWS = "_hf_dflash_rows"  # on a layer while it runs packed: the row count its pack is laid out for
 PACK_ROWS = 8  # the row count packs are laid out for by default (a pack made for other rows is made again)
 PAYS_FROM = 1.1  # packing is chosen where the measured product is at least this much faster
@@ -81,7 +82,10 @@ def packed_forward(layer: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     if (
         hidden.dtype != weight.dtype
         or hidden.device.type != "cpu"
-        or (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or bias is not None))
+        or (
+            torch.is_grad_enabled()
+            and (hidden.requires_grad or weight.requires_grad or getattr(bias, "requires_grad", False))
+        )
     ):
         return nn.Linear.forward(layer, hidden)
     packed = packed_weight(layer, layer.__dict__[PACKED_ROWS])
@@ -112,6 +116,11 @@ def packed_linears(*modules: nn.Module, rows: int = PACK_ROWS) -> Iterator[int]:
         for layer in layers:
             del layer.forward
             delattr(layer, PACKED_ROWS)
+
+
+def is_packed(module: nn.Module) -> bool:
+    """Whether `module`'s linear layers run packed right now (inside `packed_linears`)."""
+    return any(PACKED_ROWS in vars(layer) for layer in module.modules())
 
 
 def release_packed_weights(*modules: nn.Module) -> None:

@@ -5,9 +5,10 @@ import torch
 from torch import nn
 
 from hf_dflash.generation.cost_timing import cost_model_key
-from hf_dflash.generation.linear_packing import is_packed, linear_packing_setting, loop_linear_packing
+from hf_dflash.generation.linear_packing import linear_packing_setting, loop_linear_packing
 from hf_dflash.packed_linears import (
     PACK_ATTRIBUTE,
+    is_packed,
     linear_packing_supported,
     packed_linears,
     packing_pays,

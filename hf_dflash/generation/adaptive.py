@@ -229,7 +229,8 @@ class AdaptiveController:
     def choose(self, rows: Sequence[int]) -> int:
         now = time.perf_counter()
         if self.calibrate and self.pending is not None:
-            self.time_round(*self.pending, now - self.pending[2])
+            rows_before, k_before, start = self.pending
+            self.time_round(rows_before, k_before, now - start)
         if len(rows) not in self.seconds:
             self.seconds[len(rows)] = self.cost_model.round_seconds(len(rows), self.max_block_size)
         seconds = calibrated_seconds(self.seconds[len(rows)], self.measured.get(len(rows), {}))
@@ -241,7 +242,7 @@ class AdaptiveController:
         self.pending = (len(rows), k, now)
         return k
 
-    def time_round(self, rows: int, k: int, start: float, seconds: float) -> None:
+    def time_round(self, rows: int, k: int, seconds: float) -> None:
         """A round of `rows` rows at block length k took `seconds` (a running average per k, recent rounds first)."""
         measured = self.measured.setdefault(rows, {})
         measured[k] = (

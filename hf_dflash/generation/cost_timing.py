@@ -24,10 +24,10 @@ from transformers.cache_utils import DynamicCache
 from ..caches import cache_keyword
 from ..json_files import write_json_atomic
 from ..modeling_dflash import DFlashDraftModel
+from ..packed_linears import is_packed
 from ..target_features import target_layer_features
 from .cost_model import CostModel, measured_block_lengths, measured_verification_lengths
 from .drafting import BlockDrafter
-from .linear_packing import is_packed
 from .tree import tree_attention_bias
 
 logger = logging.getLogger(__name__)

@@ -18,15 +18,13 @@ from contextlib import AbstractContextManager, nullcontext
 from transformers import GenerationConfig, PreTrainedModel
 
 from ..modeling_dflash import DFlashDraftModel
-from ..packed_linears import PACK_ROWS, PACKED_ROWS, packed_linears, packing_pays
-
-SETTINGS = ("auto", True, False)
+from ..packed_linears import PACK_ROWS, packed_linears, packing_pays
 
 
 def linear_packing_setting(drafter: DFlashDraftModel):
     """`drafter.linear_packing` ("auto" when unset), checked."""
     setting = getattr(drafter, "linear_packing", "auto")
-    if not any(setting is choice or (isinstance(setting, str) and setting == choice) for choice in SETTINGS):
+    if not (setting is True or setting is False or (isinstance(setting, str) and setting == "auto")):
         raise ValueError(
             f"drafter.linear_packing = {setting!r} is not a setting. Use 'auto' (pack where measured faster), "
             "True (pack every CPU float32/bfloat16 linear layer) or False (the default matmul)."
@@ -45,8 +43,3 @@ def loop_linear_packing(
     if target in models and drafter.config.draft_vocab_size is not None:  # the target's head rows it drafts with
         models.append(drafter.draft_head(target.get_output_embeddings()))
     return packed_linears(*models, rows=PACK_ROWS) if models else nullcontext(0)
-
-
-def is_packed(model: PreTrainedModel) -> bool:
-    """Whether `model`'s linear layers run packed right now (inside `packed_linears`)."""
-    return any(PACKED_ROWS in vars(layer) for layer in model.modules())
