@@ -29,8 +29,9 @@ from .strategies import ChainDrafting
 class DFlashCandidateGenerator(CandidateGenerator):
     """The chain strategy (`strategies/chain.py`) behind Transformers' contract: drafts k - 1 tokens per round
     from `[bonus, MASK x (k - 1)]`, k = block_size unless a `block_size_controller` chooses k <= block_size each
-    round (k = 1: no drafter pass), never past `max_length`. Candidate logits (sampling, or greedy with logits
-    processors) are the processed draft logits, as Transformers' loop expects them."""
+    round (k = 1: no drafter pass), never past `max_length`. Candidate logits: greedy with logits processors,
+    the processed draft logits; sampling, the log of the distributions the drafts were drawn from (a DFlash2
+    selector's walk draws each slot given the one before), which Transformers' rejection test softmaxes back."""
 
     requires_model_outputs = True
 
@@ -44,12 +45,11 @@ class DFlashCandidateGenerator(CandidateGenerator):
     ):
         check_pairing(target, drafter)
         controller = block_size_controller or FixedBlockSize(drafter.config.block_size)
-        # Transformers' loop samples its candidates itself from the logits it is given: the chain drafts greedily
-        self.chain = ChainDrafting(BlockDrafter(drafter, target), controller, False, logits_processor)
+        self.do_sample = bool(generation_config.do_sample)
+        self.chain = ChainDrafting(BlockDrafter(drafter, target), controller, self.do_sample, logits_processor)
         self.target_layer_ids = list(drafter.config.target_layer_ids)
         self.model_kwargs_overrides: dict[str, Any] = {"output_hidden_states": [i + 1 for i in self.target_layer_ids]}
         self.max_length = generation_config.max_length
-        self.do_sample = bool(generation_config.do_sample)
         self.processed = bool(self.do_sample or logits_processor)
         self.features_length = 0  # tokens whose target features were read (given to the drafter or pending)
         self.num_drafts = 0  # drafts offered in the current round
@@ -86,8 +86,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
         if not self.num_drafts:
             return input_ids, None
         drafts = proposal.drafts
-        if self.do_sample:  # Transformers' loop samples its candidates itself from the logits it is given
-            drafts.tokens = torch.multinomial(drafts.scores[0].softmax(-1), 1).view(1, -1)
+        if self.do_sample:  # Transformers' rejection test takes q = softmax(candidate logits): give it log q
+            return torch.cat([input_ids, drafts.tokens], dim=-1), drafts.scores.log()
         return torch.cat([input_ids, drafts.tokens], dim=-1), drafts.scores if self.processed else None
 
     @property

@@ -102,7 +102,7 @@ def measure_round_seconds(
     def one_round(k: int) -> None:
         if k > 1:
             block.add_context(features[:, :k], valid[:, :k])
-            block.draft(block.draft_hidden(token_ids[:, -1], k), do_sample=False)
+            block.draft(block.draft_hidden(token_ids[:, -1], k), do_sample=False, anchors=token_ids[:, -1])
             block.rewind(k)
         target(input_ids=token_ids[:, :k], use_cache=True, output_hidden_states=hidden_request, **{cache_name: cache})
         cache.crop(-k)

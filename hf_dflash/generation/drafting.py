@@ -18,13 +18,15 @@ from transformers.cache_utils import DynamicCache
 from ..caches import compact_cache, needs_compaction
 from ..modeling_dflash import DFlashDraftModel
 from ..modeling_dflash.custom_generate import drafter_pass
+from .selector import selector_drafts
 from .verification import greedy_tokens, process_draft_rows
 
 
 @dataclass
 class Drafts:
     """A round's drafted tokens (B, d) and, when sampling, the distributions they were drawn from (B, d, V);
-    when greedy with logits processors, `scores` holds the processed draft logits (None otherwise)."""
+    when greedy with logits processors, `scores` holds the processed draft logits, or with a DFlash2 selector
+    each slot's selector scores over its candidates (-inf elsewhere); None otherwise."""
 
     tokens: torch.LongTensor
     scores: torch.Tensor | None = None
@@ -82,18 +84,28 @@ class BlockDrafter:
         batch_size: int = 1,
         rows: list[int] | None = None,
         prefixes: list[torch.LongTensor] | None = None,
+        anchors: torch.LongTensor | None = None,
     ) -> Drafts:
         """Draft tokens from the drafter outputs (B, d, H) of `draft_hidden`.
 
         Greedy without logits processors: the argmax, without full-vocabulary logits (a pruned draft
         vocabulary scores only its own ids). Otherwise the draft logits are processed (every position with
         the row's committed prefix, `process_draft_rows`) and drafts are their argmax, or samples when
-        `do_sample`. rows/prefixes/batch_size: as `process_draft_rows` needs them.
+        `do_sample`. A DFlash2 drafter drafts by its selector's walk from each row's anchor (B,), the bonus
+        token before the block (`selector.selector_drafts`). rows/prefixes/batch_size: as
+        `process_draft_rows` needs them.
         """
-        if not do_sample and not logits_processor:
+        selecting = self.drafter.candidate_selector is not None
+        if not do_sample and not logits_processor and not selecting:
             return Drafts(self.drafter.greedy_draft_tokens(hidden, self.lm_head))
         logits = self.drafter.draft_logits(hidden, self.lm_head)  # (B, d, V)
         logits = process_draft_rows(logits_processor, batch_size, rows or [0], prefixes, logits)
+        if selecting:
+            if anchors is None:
+                raise ValueError(
+                    "A DFlash2 drafter drafts from each row's anchor: pass anchors (B,), the bonus tokens."
+                )
+            return Drafts(*selector_drafts(self.drafter, hidden, logits, anchors, do_sample, logits_processor))
         if not do_sample:
             return Drafts(greedy_tokens(logits), logits)
         probs = logits.softmax(-1)

@@ -14,7 +14,7 @@ hidden states equal those of a causal forward over context + the path to i.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -86,6 +86,10 @@ def merge_branches(root: int, branches: Sequence[torch.LongTensor], base: DraftT
     return DraftTree(torch.tensor(values, dtype=torch.long, device=device), tuple(parents), tuple(layout))
 
 
+# children(parent token, slot) -> the slot's candidates after that parent: (log-probabilities, descending; ids)
+Children = Callable[[int, int], tuple[list[float], list[int]]]
+
+
 def best_first_tree(
     root: int, token_ids: torch.LongTensor, log_probs: torch.Tensor, max_nodes: int
 ) -> tuple[DraftTree, torch.Tensor]:
@@ -93,29 +97,41 @@ def best_first_tree(
 
     A block's draft slots are drafted in one pass, independently given the context, so a continuation
     t_1..t_d has probability prod_i q_i(t_i). token_ids, log_probs (L, K): the K best tokens of each of the
-    L draft slots, log-probabilities descending. The tree holds root + the max_nodes - 1 most probable
-    continuations (lengths 1..L, each of the K best tokens per slot): a continuation is never likelier than
-    its prefix, so these are prefix-closed. Found best-first with a heap (each node pushes its best child
-    and its next sibling), so nodes come in decreasing probability: parents before children, and the
+    L draft slots, log-probabilities descending. See `best_first_tree_by` (the same slot candidates after
+    every parent).
+    """
+    scores, ids = log_probs.tolist(), token_ids.tolist()
+    tree, reach = best_first_tree_by(root, token_ids.shape[0], lambda token, slot: (scores[slot], ids[slot]), max_nodes)
+    return DraftTree(tree.tokens.to(token_ids.device), tree.parents, ()), reach
+
+
+def best_first_tree_by(root: int, length: int, children: Children, max_nodes: int) -> tuple[DraftTree, torch.Tensor]:
+    """The tree of root + the `max_nodes` - 1 most probable continuations (lengths 1..`length`) when slot l's
+    candidates after a node holding token t are `children(t, l)` (log-probabilities descending, ids): the same
+    for every parent (DFlash), or conditioned on it (DFlash2's selector). A continuation is never likelier
+    than its prefix, so these are prefix-closed. Found best-first with a heap (each node pushes its best
+    child and its next sibling), so nodes come in decreasing probability: parents before children, and the
     tree of n < max_nodes nodes is the first n nodes. Returns the tree (branches: none) and the (N,)
     log-probability of reaching each node (0 for the root).
     """
-    length, width = token_ids.shape
-    scores = log_probs.tolist()
-    ids = token_ids.tolist()
-    values, parents, reach = [int(root)], [-1], [0.0]
-    heap = [(-scores[0][0], 0, 0, 0)] if length and width and max_nodes > 1 else []  # (-log p, parent, slot, rank)
+    values, parents, reach, offered = [int(root)], [-1], [0.0], [None]  # offered: each node's children
+    heap = []  # (-log p, parent, slot, rank)
+    if length and max_nodes > 1:
+        offered[0] = children(int(root), 0)
+        heap = [(-offered[0][0][0], 0, 0, 0)] if offered[0][0] else []
     while heap and len(values) < max_nodes:
         negative, parent, slot, rank = heapq.heappop(heap)
+        scores, ids = offered[parent]
         node = len(values)
-        values.append(ids[slot][rank])
+        values.append(ids[rank])
         parents.append(parent)
         reach.append(-negative)
-        if slot + 1 < length:  # its best child
-            heapq.heappush(heap, (negative - scores[slot + 1][0], node, slot + 1, 0))
-        if rank + 1 < width:  # its next sibling
-            heapq.heappush(heap, (-reach[parent] - scores[slot][rank + 1], parent, slot, rank + 1))
-    tree = DraftTree(torch.tensor(values, dtype=torch.long, device=token_ids.device), tuple(parents), ())
+        offered.append(children(ids[rank], slot + 1) if slot + 1 < length else None)
+        if offered[node] is not None and offered[node][0]:  # its best child
+            heapq.heappush(heap, (negative - offered[node][0][0], node, slot + 1, 0))
+        if rank + 1 < len(scores):  # its next sibling
+            heapq.heappush(heap, (-reach[parent] - scores[rank + 1], parent, slot, rank + 1))
+    tree = DraftTree(torch.tensor(values, dtype=torch.long), tuple(parents), ())
     return tree, torch.tensor(reach, dtype=torch.float64)
 
 

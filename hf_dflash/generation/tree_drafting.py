@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 from ..modeling_dflash import DFlashDraftModel
 from .cost_model import CostModel
 from .cost_timing import measured_cost_model
-from .tree import DraftTree, best_first_tree
+from .tree import Children, DraftTree, best_first_tree, best_first_tree_by
 
 TREE_ATTRIBUTE = "draft_tree"  # the drafter attribute `generate` reads
 # Under compiled verification "auto" chooses one tree size at the first tree of the first call and keeps it
@@ -100,7 +100,16 @@ class TreeDrafting:
         log_probs, ranked = logits.float().log_softmax(-1).topk(min(self.top_k, logits.shape[-1]), dim=-1)
         if token_ids is not None:
             ranked = token_ids.to(ranked.device)[ranked]
-        tree, reach = best_first_tree(root, ranked, log_probs, self.max_nodes)
+        return self.sized(*best_first_tree(root, ranked, log_probs, self.max_nodes))
+
+    def build_by(self, root: int, length: int, children: Children) -> DraftTree:
+        """The tree after `root` over `length` draft slots whose candidates depend on the parent token
+        (`tree.best_first_tree_by`; DFlash2's selector)."""
+        return self.sized(*best_first_tree_by(root, length, children, self.max_nodes))
+
+    def sized(self, tree: DraftTree, reach: torch.Tensor) -> DraftTree:
+        """The first nodes of a best-first tree with reach (N,) log-probabilities: as many as the cost curve
+        chooses (all without one)."""
         size = tree.num_nodes
         if self.seconds is not None:
             size = best_tree_size(reach, self.seconds, self.calibration, self.min_nodes)

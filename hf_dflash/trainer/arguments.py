@@ -47,6 +47,14 @@ class DFlashTrainingArguments(TrainingArguments):
     dpace_alpha: float = field(
         default=0.5, metadata={"help": "D-PACE confidence smoothing q~ = (1 - alpha) q + alpha, in (0, 1]."}
     )
+    selector_loss_weight: float = field(
+        default=1.0,
+        metadata={
+            "help": "DFlash2 drafters: weight of the candidate selector's K-way cross-entropy added to the DFlash "
+            "loss (teacher-forced predecessors, the label injected when missing from the top-K); 0 trains "
+            "the selector not at all. Ignored for DFlash drafters."
+        },
+    )
     feature_mode: str = field(
         default="online",
         metadata={"help": "'online': run the frozen target in each step; 'offline': read cached features."},
@@ -90,6 +98,8 @@ class DFlashTrainingArguments(TrainingArguments):
             )
         if self.position_weighting == "dpace" and self.loss_type != "ce":
             raise ValueError(f"position_weighting='dpace' weights the cross-entropy; got loss_type={self.loss_type!r}.")
+        if not self.selector_loss_weight >= 0:
+            raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight!r}.")
         if not 0 < self.dpace_alpha <= 1:
             raise ValueError(f"dpace_alpha must be in (0, 1], got {self.dpace_alpha!r}.")
         if self.loss_type == "kl" and self.feature_mode != "online":

@@ -147,12 +147,27 @@ def target_to_draft_index(t2d: torch.BoolTensor) -> torch.LongTensor:
     return index.masked_fill(~t2d, -1)
 
 
+def selected_logits(
+    hidden_states: torch.Tensor,
+    lm_head: torch.nn.Module,
+    selected: torch.BoolTensor,
+    draft_head: tuple[torch.Tensor, torch.LongTensor] | None = None,
+) -> torch.Tensor:
+    """float32 logits (N, V) at the N `selected` (B, T) positions of hidden_states (B, T, H), the LM head computed
+    only there; (N, V') over a pruned draft vocabulary's rows (`draft_head`, see `position_cross_entropy`)."""
+    if draft_head is None:
+        return lm_head(hidden_states[selected].to(lm_head.weight.dtype)).float()  # the head may be bf16
+    weight, _ = draft_head
+    return F.linear(hidden_states[selected].to(weight.dtype), weight).float()
+
+
 def position_cross_entropy(
     hidden_states: torch.Tensor,
     lm_head: torch.nn.Module,
     labels: torch.LongTensor,
     selected: torch.BoolTensor,
     draft_head: tuple[torch.Tensor, torch.LongTensor] | None = None,
+    logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.BoolTensor, torch.BoolTensor]:
     """Cross-entropy at the N `selected` positions, computing the LM head only there.
 
@@ -160,16 +175,17 @@ def position_cross_entropy(
     draft_head: for a pruned draft vocabulary, (weight (N', H): the LM-head rows of the N' draft ids,
         target_to_draft (V,): see `target_to_draft_index`); the softmax then runs over the N' ids, and a
         label outside them has loss 0 (it cannot be learnt) and is never correct.
+    logits: `selected_logits` of these arguments when the caller already computed them.
     Returns (losses (N,), inside (N,) bool: the label can be drafted, correct (B, T) bool: argmax == label,
     False where not selected).
     """
     chosen = labels[selected]
+    if logits is None:
+        logits = selected_logits(hidden_states, lm_head, selected, draft_head)
     if draft_head is None:
-        logits = lm_head(hidden_states[selected].to(lm_head.weight.dtype)).float()  # (N, V); the head may be bf16
         inside = torch.ones_like(chosen, dtype=torch.bool)
     else:
-        weight, target_to_draft = draft_head
-        logits = F.linear(hidden_states[selected].to(weight.dtype), weight).float()  # (N, V')
+        _, target_to_draft = draft_head
         chosen = target_to_draft[chosen]
         inside = chosen >= 0
         chosen = chosen.clamp_min(0)
@@ -177,6 +193,41 @@ def position_cross_entropy(
     correct = torch.zeros_like(selected)
     correct[selected] = (logits.argmax(-1) == chosen) & inside
     return losses, inside, correct
+
+
+def block_predecessors(labels: torch.LongTensor, block_size: int) -> torch.LongTensor:
+    """(B, A*bs) the true token before each slot's label: slot k's is slot k - 1's label (slot 1's: the
+    anchor, which is slot 0's label); slot 0's is meaningless (never supervised)."""
+    return labels.reshape(-1, block_size).roll(1, -1).reshape(labels.shape)
+
+
+def selector_cross_entropy(
+    logits: torch.Tensor,
+    hidden_states: torch.Tensor,
+    labels: torch.LongTensor,
+    predecessors: torch.LongTensor,
+    selector: torch.nn.Module,
+) -> tuple[torch.Tensor, torch.BoolTensor, torch.BoolTensor]:
+    """DFlash2's K-way selector loss at N positions, teacher-forced.
+
+    logits (N, V) the drafter's draft logits there; hidden_states (N, H) its outputs; labels (N,) the true
+    tokens, predecessors (N,) the true token before each (the anchor for slot 1); `selector` a
+    `DFlashCandidateSelector`. Candidates: the K best ids of the logits (ranked without gradient), the label
+    put in place of the K-th when it is missing, so every position has a target. Scores as the walk's:
+    S[k] = logits[c_k] + < A[predecessor] * hidden_projection(h), B[c_k] >. Returns (losses (N,) = CE(S,
+    label's index), in_top_k (N,) bool: the label was a candidate unaided, correct (N,) bool: argmax S == label
+    and the label was a candidate).
+    """
+    candidates = logits.detach().topk(selector.top_k, dim=-1).indices  # (N, K)
+    in_top_k = (candidates == labels[:, None]).any(-1)
+    candidates[:, -1] = torch.where(in_top_k, candidates[:, -1], labels)
+    weight = selector.hidden_projection.weight
+    context = selector.predecessor_codebook[predecessors] * selector.hidden_projection(hidden_states.to(weight.dtype))
+    pair = (selector.successor_codebook[candidates] @ context.unsqueeze(-1)).squeeze(-1)  # (N, K)
+    scores = logits.gather(-1, candidates) + pair.float()
+    target = (candidates == labels[:, None]).int().argmax(-1)
+    correct = (scores.argmax(-1) == target) & in_top_k
+    return F.cross_entropy(scores, target, reduction="none"), in_top_k, correct
 
 
 def weighted_cross_entropy_sum(

@@ -17,10 +17,12 @@ from .consistency import served_tau_estimate
 from .forward import dflash_training_forward
 from .maths import (
     acceptance_estimate,
+    block_predecessors,
     dpace_block_weights,
     position_cross_entropy,
+    selected_logits,
+    selector_cross_entropy,
     target_to_draft_index,
-    weighted_cross_entropy_sum,
     weighted_kl_sum,
 )
 
@@ -42,6 +44,20 @@ def check_training_pairing(target: PreTrainedModel, drafter: DFlashDraftModel) -
         raise ValueError(
             f"target_layer_ids {config.target_layer_ids} exceed the target's {text.num_hidden_layers} layers."
         )
+
+
+def weighted_selector_losses(drafter, logits, hidden, labels, supervised, weight: float) -> tuple:
+    """(weight x DFlash2's K-way selector loss (N,) at the N supervised (B, T) positions, or 0.0 for a DFlash
+    drafter or weight 0; the ratios to log: `selector_top_k_recall` and `selector_acc` as (hits, total))."""
+    selector = drafter.candidate_selector
+    if selector is None or weight == 0:
+        return 0.0, {}
+    predecessors = block_predecessors(labels, drafter.config.block_size)[supervised]
+    losses, in_top_k, correct = selector_cross_entropy(
+        logits, hidden[supervised], labels[supervised], predecessors, selector
+    )
+    total = supervised.sum()
+    return weight * losses, {"selector_top_k_recall": (in_top_k.sum(), total), "selector_acc": (correct.sum(), total)}
 
 
 class DFlashTrainer(Trainer):
@@ -128,16 +144,24 @@ class DFlashTrainer(Trainer):
         if drafter.config.draft_vocab_size is not None:
             draft_head = (drafter.draft_head(lm_head).weight, target_to_draft_index(drafter.t2d))
             self._count("draft_vocab_miss", (supervised & ~drafter.t2d[inputs["labels"]]).sum(), supervised.sum())
+        logits = selected_logits(hidden, lm_head, supervised, draft_head)  # (N, V'): read by both losses
+        losses, inside, correct = position_cross_entropy(
+            hidden, lm_head, inputs["labels"], supervised, draft_head, logits
+        )
+        selector_losses, ratios = weighted_selector_losses(
+            drafter, logits, hidden, inputs["labels"], supervised, self.args.selector_loss_weight
+        )
+        for name, (hits, total) in ratios.items():
+            self._count(name, hits, total)
         if self.args.position_weighting == "dpace":
             # The weights follow this micro-batch's own confidence: normalised here, averaged over accumulation
             # steps and (by DDP) over processes.
-            losses, inside, correct = position_cross_entropy(hidden, lm_head, inputs["labels"], supervised, draft_head)
             dpace = dpace_block_weights(losses, inside, supervised, drafter.config.block_size, self.args.dpace_alpha)
-            loss = (losses * dpace[supervised]).sum() / dpace.sum().clamp_min(1e-6)
+            loss = ((losses + selector_losses) * dpace[supervised]).sum() / dpace.sum().clamp_min(1e-6)
             loss = loss / self.args.gradient_accumulation_steps
             self._accumulate_metrics(correct, supervised, drafter.config.block_size)
             return (loss, hidden) if return_outputs else loss
-        loss_sum, correct = weighted_cross_entropy_sum(hidden, lm_head, inputs["labels"], weights, draft_head)
+        loss_sum = ((losses + selector_losses) * weights[supervised]).sum()
         if teacher_logits is not None:  # distillation: the KL replaces the cross-entropy (correct stays hard)
             loss_sum = weighted_kl_sum(hidden, lm_head, teacher_logits, weights, draft_head)
         normaliser = num_items_in_batch if num_items_in_batch is not None else weights.sum()

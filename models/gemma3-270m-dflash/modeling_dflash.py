@@ -194,18 +194,15 @@ class DFlashCandidateSelector(nn.Module):
         self.successor_codebook = nn.Parameter(torch.zeros(vocab_size, rank))
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
 
-    def walk(self, hidden, candidate_ids, unary_logits, anchor_ids, choose=greedy_choice) -> SelectorPath:
-        """`selector_walk` over the drafter's outputs hidden (..., L, H) of the block's L draft slots."""
-        projected = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype))
-        return selector_walk(
-            candidate_ids,
-            unary_logits,
-            projected,
-            self.predecessor_codebook,
-            self.successor_codebook,
-            anchor_ids,
-            choose,
-        )
+    def walk(self, hidden, logits, anchor_ids, choose=greedy_choice, temperature: float = 1.0):
+        """`selector_walk` over the top-K of the draft logits (..., L, V) (processed, if the loop processes them)
+        of the drafter's outputs hidden (..., L, H) at the block's L draft slots, from anchor_ids (...); the pair
+        term is divided by `temperature` (sampling at T: softmax(S / T), the unary logits already tempered).
+        Returns (the SelectorPath, the candidate ids (..., L, K) its score rows refer to)."""
+        candidate_ids, unary = unary_top_k(logits.float(), self.top_k)
+        projected = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype)) / temperature
+        codebooks = self.predecessor_codebook, self.successor_codebook
+        return selector_walk(candidate_ids, unary, projected, *codebooks, anchor_ids, choose), candidate_ids
 
     @torch.no_grad()
     def reset_to_identity(self, std: float = 0.02) -> None:

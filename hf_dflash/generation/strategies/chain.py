@@ -44,8 +44,11 @@ class ChainDrafting:
         return self.proposal(hidden, rows, prefixes, bonus, block_length)
 
     def proposal(self, hidden: torch.Tensor, rows: Rows, prefixes, bonus, block_length: int) -> Proposal:
-        """The proposal from the drafter's outputs (R, d, H): argmax tokens, or samples when sampling."""
-        drafts = self.block.draft(hidden, self.do_sample, self.logits_processor, rows.batch_size, rows.active, prefixes)
+        """The proposal from the drafter's outputs (R, d, H): argmax tokens, or samples when sampling (a DFlash2
+        drafter: its selector's walk from each row's bonus token (R,))."""
+        drafts = self.block.draft(
+            hidden, self.do_sample, self.logits_processor, rows.batch_size, rows.active, prefixes, anchors=bonus
+        )
         return Proposal(drafts, None, block_length, hidden.shape[1])
 
     def observe(self, rows: Rows, proposal: Proposal, verdict, committed, stats: AcceptanceStats) -> None:

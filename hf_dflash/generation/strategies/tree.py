@@ -7,6 +7,7 @@ import torch
 from ..drafting import BlockDrafter, Drafts
 from ..proposal import Proposal
 from ..rows import Rows
+from ..selector import sampling_temperature, selector_tree_children
 from ..stats import AcceptanceStats
 from ..tree_drafting import TreeDrafting, remember_compiled_size
 from .chain import ChainDrafting
@@ -14,7 +15,8 @@ from .chain import ChainDrafting
 
 class DrafterTreeDrafting(ChainDrafting):
     """The block's drafter pass as for a chain, then a tree of the most probable continuations of its slots,
-    sized by `trees` (`tree_drafting.py`)."""
+    sized by `trees` (`tree_drafting.py`); a DFlash2 drafter's selector ranks each node's children given
+    the node's token."""
 
     sends_trees = True
 
@@ -31,7 +33,13 @@ class DrafterTreeDrafting(ChainDrafting):
     def proposal(self, hidden: torch.Tensor, rows: Rows, prefixes, bonus, block_length: int) -> Proposal:
         logits, token_ids = self.block.tree_logits(hidden, self.logits_processor, 1, rows.active, prefixes)
         choosing = self.trees.choosing_size
-        tree = self.trees.build(int(bonus[0]), logits[0], token_ids)
+        drafter = self.block.drafter
+        if drafter.candidate_selector is not None:  # DFlash2: each node's children ranked by the selector
+            temperature = sampling_temperature(self.logits_processor) if self.do_sample else 1.0
+            children = selector_tree_children(drafter, hidden[0], logits[0], temperature)
+            tree = self.trees.build_by(int(bonus[0]), hidden.shape[1], children)
+        else:
+            tree = self.trees.build(int(bonus[0]), logits[0], token_ids)
         if choosing:  # a one-size tree chose its size: later compiled calls keep it
             remember_compiled_size(self.block.drafter, self.trees)
         return Proposal(Drafts(tree.tokens[None, 1:]), tree, block_length, hidden.shape[1])

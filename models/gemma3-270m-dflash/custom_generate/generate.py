@@ -11,7 +11,8 @@ everything (generation config, logits processors and warpers, stopping criteria,
 file hands it a decoding method (`custom_generate` accepts a callable) that runs one DFlash chain per round:
 
     draft    one drafter pass over [last token, MASK x (block_size - 1)] drafts block_size - 1 tokens
-             (never past max_length), argmax (greedy) or sampled from the drafter's processed distribution
+             (never past max_length), argmax (greedy) or sampled from the drafter's processed distribution;
+             a DFlash2 drafter's candidate selector walks the block's top-K candidates instead
     verify   ONE target forward over [last token, drafts] with the hidden states the drafter reads
     accept   the longest prefix the target agrees with + the target's own next token (greedy), or
              Leviathan rejection sampling (`speculative_sample`): output distributed as the target samples
@@ -33,6 +34,7 @@ import torch
 from transformers import AutoModel, StoppingCriteriaList
 from transformers.cache_utils import DynamicCache
 from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.logits_process import TemperatureLogitsWarper
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -264,13 +266,31 @@ def judge(logits_processor, sequence, drafts, draft_probs, logits, do_sample: bo
 
 
 def draft(drafter, lm_head, hidden, sequence, logits_processor, do_sample: bool):
-    """(drafts (1, d), the distributions they were sampled from (1, d, V) or None) from the drafter's outputs."""
-    if not do_sample:
+    """(drafts (1, d), the distributions they were sampled from (1, d, V) or None) from the drafter's outputs.
+
+    A DFlash2 drafter drafts by its candidate selector's walk from the last token: greedy, the best path;
+    sampling, each slot drawn from softmax(S / T) over its candidates given the token drawn before it, and
+    that distribution (0 off the candidates) is the slot's q for the rejection test."""
+    selector = getattr(drafter, "candidate_selector", None)
+    if not do_sample and selector is None:
         return drafter.greedy_draft_tokens(hidden, lm_head), None
-    # drafts only need *a* distribution they are drawn from: each slot processed with the committed prefix
     logits = drafter.draft_logits(hidden, lm_head).float()
-    probs = torch.stack([logits_processor(sequence, logits[:, t]) for t in range(logits.shape[1])], 1).softmax(-1)
-    return torch.multinomial(probs[0], 1).T, probs
+    if not do_sample:
+        return selector.walk(hidden, logits, sequence[:, -1])[0].tokens, None
+    # drafts only need *a* distribution they are drawn from: each slot processed with the committed prefix
+    logits = torch.stack([logits_processor(sequence, logits[:, t]) for t in range(logits.shape[1])], 1)
+    if selector is None:
+        probs = logits.softmax(-1)
+        return torch.multinomial(probs[0], 1).T, probs
+    temperature = next((p.temperature for p in logits_processor if isinstance(p, TemperatureLogitsWarper)), 1.0)
+    path, candidate_ids = selector.walk(hidden, logits, sequence[:, -1], sampled_index, float(temperature))
+    probs = logits.new_zeros(logits.shape).scatter(-1, candidate_ids, path.scores.softmax(-1))
+    return path.tokens, probs
+
+
+def sampled_index(scores: torch.Tensor) -> torch.LongTensor:
+    """(B, K) scores -> (B,) an index drawn from softmax(scores)."""
+    return torch.multinomial(scores.softmax(-1), 1)[:, 0]
 
 
 @torch.no_grad()
