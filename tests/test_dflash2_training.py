@@ -1,0 +1,150 @@
+"""DFlash2 trained (issue 34, part 3): the K-way selector loss against a hand-written oracle (teacher-forced
+predecessors, the label injected when it is missing from the top-K), the trainer's loss = DFlash loss +
+selector_loss_weight x selector loss under both position weightings, and a step that trains the selector."""
+
+import copy
+
+import pytest
+import torch
+
+from hf_dflash.trainer import DFlashTrainer, compute_target_features
+from hf_dflash.trainer.forward import dflash_training_forward
+from hf_dflash.trainer.maths import block_predecessors, dpace_weights, selector_cross_entropy
+from hf_dflash.trainer.upgrade import dflash2_from_dflash
+from tests.conftest import make_drafter, make_target
+from tests.helpers.training import BLOCK, arguments, samples
+
+K = 4
+
+
+def selector_of(rank: int = 3, vocab: int = 10, hidden: int = 5, seed: int = 0):
+    from hf_dflash.modeling_dflash.modeling_dflash import DFlashCandidateSelector
+
+    torch.manual_seed(seed)
+    selector = DFlashCandidateSelector(hidden, vocab, rank, K)
+    with torch.no_grad():
+        for parameter in selector.parameters():
+            parameter.normal_()
+    return selector
+
+
+def test_block_predecessors_are_the_previous_label_and_the_anchor_for_slot_1():
+    labels = torch.tensor([[10, 11, 12, 13, 20, 21, 22, 23]])  # two blocks of 4, slot 0 = the anchor
+    assert block_predecessors(labels, 4)[0, [1, 2, 3, 5, 6, 7]].tolist() == [10, 11, 12, 20, 21, 22]
+
+
+def test_selector_loss_by_hand_with_and_without_the_label_among_the_top_k():
+    selector = selector_of()
+    logits = torch.tensor([[5.0, 4, 3, 2, 1, 0, 0, 0, 0, 0], [0.0, 1, 2, 3, 4, 5, 6, 7, 8, 9]])
+    hidden = torch.randn(2, 5)
+    labels, predecessors = torch.tensor([2, 1]), torch.tensor([7, 3])  # row 1's label is not in its top 4
+    losses, in_top_k, correct = selector_cross_entropy(logits, hidden, labels, predecessors, selector)
+    assert in_top_k.tolist() == [True, False] and not correct[1]
+    with torch.no_grad():
+        for row, candidates in enumerate([[0, 1, 2, 3], [9, 8, 7, 1]]):  # row 1: the label replaces the 4th best
+            projected = selector.hidden_projection(hidden[row])
+            scores = torch.stack(
+                [
+                    logits[row, c]
+                    + (
+                        selector.predecessor_codebook[predecessors[row]] * projected * selector.successor_codebook[c]
+                    ).sum()
+                    for c in candidates
+                ]
+            )
+            expected = -scores.log_softmax(-1)[candidates.index(int(labels[row]))]
+            assert float(losses[row]) == pytest.approx(float(expected), abs=1e-5)
+            if row == 0:
+                assert bool(correct[0]) == (int(scores.argmax()) == 2)
+
+
+def test_at_identity_the_selector_loss_is_the_cross_entropy_over_the_top_k():
+    selector = selector_of()
+    with torch.no_grad():
+        selector.hidden_projection.weight.zero_()
+    logits = torch.randn(6, 10)
+    labels = logits.topk(K, dim=-1).indices[:, 1]  # the second best: always a candidate
+    losses, in_top_k, correct = selector_cross_entropy(
+        logits, torch.randn(6, 5), labels, torch.zeros(6, dtype=torch.long), selector
+    )
+    top = logits.topk(K, dim=-1).values
+    torch.testing.assert_close(losses, -(top.log_softmax(-1)[:, 1]))
+    assert in_top_k.all() and not correct.any()
+
+
+def dflash2_pair(seed: int = 1):
+    target = make_target("llama")
+    drafter = dflash2_from_dflash(make_drafter(target, block_size=BLOCK, seed=seed), 2, 8, 6, K)
+    with torch.no_grad():  # the selector off identity, so its term shows in the loss
+        drafter.candidate_selector.hidden_projection.weight.normal_(0, 0.5)
+        drafter.candidate_selector.predecessor_codebook.normal_()
+        drafter.candidate_selector.successor_codebook.normal_()
+    return target, drafter
+
+
+def per_position_losses(trainer, target, drafter, batch):
+    """(DFlash CE (B, T), selector loss (B, T), supervised (B, T)) recomputed from the packed forward."""
+    supervised = batch["loss_weights"] > 0
+    with torch.no_grad():
+        features = compute_target_features(target, batch["input_ids"], [1, 3], batch["attention_mask"])
+        hidden = dflash_training_forward(drafter, target.get_input_embeddings(), batch, features, drafter.config)
+        logits = target.lm_head(hidden)
+        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
+        selector = torch.zeros(supervised.shape)
+        predecessors = block_predecessors(batch["labels"], BLOCK)
+        selector[supervised] = selector_cross_entropy(
+            logits[supervised], hidden[supervised], batch["labels"][supervised], predecessors[supervised],
+            drafter.candidate_selector,
+        )[0]  # fmt: skip
+    return ce.view(supervised.shape), selector, supervised
+
+
+@pytest.mark.parametrize("weighting", ["decay", "dpace"])
+def test_the_trainer_adds_the_weighted_selector_loss(tmp_path, weighting):
+    target, drafter = dflash2_pair()
+    args = arguments(tmp_path, max_steps=1, position_weighting=weighting, selector_loss_weight=0.5)
+    trainer = DFlashTrainer(drafter, args, target=target, train_dataset=samples(count=4))
+    batch = trainer.data_collator(samples(count=2))
+    with torch.no_grad():
+        loss = trainer.compute_loss(drafter, batch)
+    ce, selector, supervised = per_position_losses(trainer, target, drafter, batch)
+    total = ce + 0.5 * selector
+    if weighting == "decay":
+        expected = (total * batch["loss_weights"]).sum() / batch["loss_weights"].sum()
+    else:
+        blocks = lambda t: t.reshape(-1, BLOCK)[:, 1:]  # noqa: E731
+        weights = dpace_weights(torch.exp(-blocks(ce)), blocks(supervised), alpha=args.dpace_alpha)
+        expected = (blocks(total) * weights).sum() / weights.sum()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_trains_the_selector_and_weight_0_leaves_its_codebooks(tmp_path):
+    for weight, moves in [(1.0, True), (0.0, False)]:
+        target, drafter = dflash2_pair()
+        before = copy.deepcopy(drafter.candidate_selector.state_dict())
+        args = arguments(
+            tmp_path / str(weight), max_steps=1, selector_loss_weight=weight, optim="sgd", weight_decay=0.0
+        )
+        trainer = DFlashTrainer(drafter, args, target=target, train_dataset=samples(count=4))
+        trainer.train()
+        after = drafter.candidate_selector.state_dict()
+        changed = {key for key in before if not torch.equal(before[key], after[key])}
+        assert changed == (set(before) if moves else set())
+        logged = {key for entry in trainer.state.log_history for key in entry}
+        assert ("selector_acc" in logged) == moves and ("selector_top_k_recall" in logged) == moves
+
+
+def test_selector_loss_weight_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="selector_loss_weight must be >= 0"):
+        arguments(tmp_path, selector_loss_weight=-1.0)
+
+
+def test_a_dflash_drafter_ignores_the_selector_weight(tmp_path):
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=BLOCK)
+    trainer = DFlashTrainer(drafter, arguments(tmp_path, max_steps=1, selector_loss_weight=3.0), target=target)
+    batch = trainer.data_collator(samples(count=2))
+    with torch.no_grad():
+        loss = trainer.compute_loss(drafter, batch)
+        trainer.args.selector_loss_weight = 0.0
+        assert torch.equal(loss, trainer.compute_loss(drafter, batch))
