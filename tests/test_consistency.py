@@ -39,6 +39,29 @@ def test_served_walk_equals_generate_round_for_round(arch, block_size):
     assert 1 < estimate.served_tau and estimate.uniform_tau != estimate.served_tau
 
 
+@pytest.mark.parametrize("scale", [0.0, 0.3])
+def test_a_dflash2_estimate_walks_the_selector_as_generate_does(scale):
+    """An oracle drafter with a DFlash2 selector (identity, or re-ranking its top-4): estimated rounds ==
+    served rounds; the re-ranking selector accepts less than the identity one."""
+    target = make_target("llama")
+    prompt = torch.tensor([[5, 17, 33, 9, 71, 12]])
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=40, eos_token_id=None)
+    dflash2 = dict(conv_kernel_size=2, conv_group_size=8, selector_rank=6, selector_top_k=4)
+    config = make_drafter(target, block_size=4, **dflash2).config
+    drafter = OracleDrafter(config, target.lm_head.weight, plain).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in drafter.candidate_selector.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator))
+        drafter.candidate_selector.hidden_projection.weight.mul_(scale)
+    served = target.generate(prompt, do_sample=False, max_new_tokens=40, eos_token_id=None, assistant_model=drafter)
+    assert torch.equal(served, plain)
+    sample = {"input_ids": plain[0].tolist(), "loss_mask": [0] * prompt.shape[1] + [1] * 40}
+    estimate = served_tau_estimate(drafter, target, [sample], anchors_per_forward=7)
+    assert estimate.rounds == drafter.last_acceptance.acceptance_lengths
+    assert (min(estimate.rounds[:-1]) == 4) == (scale == 0)  # identity: every draft right; re-ranked: some wrong
+
+
 def test_random_drafter_estimates_tau_one():
     target = make_target("llama")
     drafter = make_drafter(target, block_size=4)
@@ -64,3 +87,15 @@ def test_tree_estimate_of_a_top1_tree_is_the_chain_estimate_and_grows_with_the_b
     assert trees[1].served_tau == 1.0  # the root alone drafts nothing
     uniform = [trees[n].uniform_tau for n in (1, 4, 16, 64)]
     assert uniform == sorted(uniform) and uniform[-1] > uniform[0]
+
+
+def test_served_tau_by_source_weighs_each_sample_by_its_rounds():
+    from hf_dflash.trainer.consistency import ServedTauEstimate
+    from hf_dflash.trainer.heldout import served_tau_by_source
+
+    samples = [{"id": "gsm8k:1"}, {"id": "gsm8k:7"}, {"id": "sharegpt:3"}]
+    estimate = ServedTauEstimate(2.0, 2.0, [], per_sample=[3.0, 1.5, 2.0], per_sample_rounds=[2, 4, 5])
+    assert served_tau_by_source(samples, estimate) == {
+        "gsm8k": {"served_tau": 2.0, "samples": 2, "rounds": 6},  # (3 x 2 + 1.5 x 4) / 6
+        "sharegpt": {"served_tau": 2.0, "samples": 1, "rounds": 5},
+    }

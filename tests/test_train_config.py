@@ -118,6 +118,14 @@ def edited(run_config, tmp_path, edit, name="edited.yaml"):
         (lambda c: c.update(drafter=[1, 2]), r"drafter: expected a mapping"),
         (lambda c: c.update(target_dtype="float8"), r"target_dtype: expected one of"),
         (lambda c: c["drafter"].update(init_from="x"), r"drafter\.num_hidden_layers: ignored with drafter\.init_from"),
+        (
+            lambda c: c["drafter"].update(upgrade_to_dflash2={"selector_rank": 8}),
+            r"drafter\.upgrade_to_dflash2: upgrades the drafter of drafter\.init_from; set init_from",
+        ),
+        (
+            lambda c: c.update(drafter={"init_from": "x", "upgrade_to_dflash2": {"rank": 8, "selector_top_k": 0}}),
+            r"upgrade_to_dflash2\.rank: unknown; allowed: conv_kernel_size(.|\n)*selector_top_k: expected an int >= 1",
+        ),
     ],
     ids=[
         "drafter_typo",
@@ -136,11 +144,31 @@ def edited(run_config, tmp_path, edit, name="edited.yaml"):
         "not_mapping",
         "dtype",
         "init_from_with_sizes",
+        "upgrade_without_init_from",
+        "upgrade_fields",
     ],
 )
 def test_each_config_problem_is_named_with_section_key_and_type(run_config, tmp_path, edit, message):
     with pytest.raises(ValueError, match=message):
         load_train_config(edited(run_config, tmp_path, edit))
+
+
+def test_a_drafter_upgraded_to_dflash2_trains_its_selector(run_config, tmp_path):
+    """init_from + upgrade_to_dflash2: the saved drafter is DFlash2 with the given sizes, its DFlash weights
+    and selector trained, and the log has the selector's metrics."""
+    first = train_from_config(load_train_config(run_config))
+    upgrade = {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 5}
+
+    def edit(config):
+        config["drafter"] = {"init_from": config["training"]["output_dir"], "upgrade_to_dflash2": upgrade}
+        config["training"]["output_dir"] = str(tmp_path / "dflash2")
+
+    second = train_from_config(load_train_config(edited(run_config, tmp_path, edit)))
+    saved = load_drafter(tmp_path / "dflash2")
+    assert saved.config.is_dflash2 and saved.candidate_selector.top_k == 5 and saved.config.selector_rank == 4
+    assert saved.candidate_selector.hidden_projection.weight.abs().sum() > 0  # moved off identity (0)
+    assert any("selector_acc" in entry for entry in second.state.log_history)
+    assert not any("selector_acc" in entry for entry in first.state.log_history)
 
 
 def test_all_problems_are_reported_at_once_and_the_cli_prints_no_traceback(run_config, tmp_path, capsys):

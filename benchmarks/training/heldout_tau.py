@@ -9,7 +9,8 @@ does not move when more data is packed; without it, the last `--samples` chats).
     python benchmarks/training/heldout_tau.py models/smollm2-135m-instruct-dflash out/run/drafters/L3-bf16 \\
         --data data/smollm2-135m-instruct --eval-part regen-bf16-part2 --samples 64
 
-With `--tree-budgets 8,16,32,64` it also scores draft trees (`served_tree_tau_estimates`): the τ greedy
+Per data source (the sample id's prefix: gsm8k, sharegpt, ...) it prints the served-walk τ too, the table
+that shows the weakest domain. With `--tree-budgets 8,16,32,64` it also scores draft trees (`served_tree_tau_estimates`): the τ greedy
 verification of the drafter's best-first tree of N nodes would serve, beside the chain's, before any
 timing decides whether a bigger tree pays.
 """
@@ -55,7 +56,10 @@ def main() -> None:
         drafter = load_drafter(path).to(target.dtype).eval()
         row = heldout_tau_row(drafter, target, held_out)
         rows.append(
-            {"drafter": path, **{key: row[key] for key in ("served_tau", "all_anchor_tau", "rounds", "seconds")}}
+            {
+                "drafter": path,
+                **{key: row[key] for key in ("served_tau", "all_anchor_tau", "rounds", "seconds", "by_source")},
+            }
         )
         print(f"{path}: served-walk τ {row['served_tau']:.3f}, all-anchor τ {row['all_anchor_tau']:.3f}", flush=True)
         if budgets:
@@ -82,6 +86,13 @@ def main() -> None:
         print(f"| {row['drafter']} | {row['served_tau']:.3f} | {row['all_anchor_tau']:.3f} | {row['rounds']} |")
         for n, tree in row.get("trees", {}).items():
             print(f"| {row['drafter']}, tree of {n} | {tree['served_tau']:.3f} | {tree['all_anchor_tau']:.3f} | |")
+    sources = sorted({source for row in rows for source in row["by_source"]})
+    print("\nserved-walk τ per data source (samples):\n")
+    print("| drafter | " + " | ".join(sources) + " |\n|---|" + "---|" * len(sources))
+    for row in rows:
+        cells = [row["by_source"].get(source) for source in sources]
+        shown = [f"{cell['served_tau']:.3f} ({cell['samples']})" if cell else "–" for cell in cells]
+        print(f"| {row['drafter']} | " + " | ".join(shown) + " |")
     result = {
         "settings": {**vars(args), "dtype": str(target.dtype), "sample_ids": [sample["id"] for sample in held_out]},
         "results": rows,

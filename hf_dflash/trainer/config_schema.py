@@ -19,6 +19,7 @@ import typing
 from typing import Any
 
 from ..modeling_dflash import DFlashConfig
+from ..modeling_dflash.configuration_dflash import DFLASH2_FIELDS
 from .arguments import DFlashTrainingArguments
 
 SECTIONS = ("target", "target_dtype", "drafter", "data", "lora", "training")
@@ -28,6 +29,7 @@ TARGET_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DRAFTER_ARGUMENTS = {
     "init_from": str,
     "init_from_target": bool | list[int],
+    "upgrade_to_dflash2": dict,  # with init_from: {conv_kernel_size, conv_group_size, selector_rank, selector_top_k}
     "num_hidden_layers": int,
     "block_size": int,
     "num_target_features": int | None,
@@ -171,6 +173,20 @@ def _drafter_fields() -> dict:
     return {**DRAFTER_ARGUMENTS, **{name: hints[name] for name in DRAFTER_OVERRIDES}}
 
 
+def _check_upgrade(drafter: dict, problems: list[str]) -> None:
+    """drafter.upgrade_to_dflash2: only with init_from, keys among the DFlash2 sizes, positive integers."""
+    upgrade = drafter.get("upgrade_to_dflash2")
+    if not isinstance(upgrade, dict):
+        return
+    if "init_from" not in drafter:
+        problems.append("drafter.upgrade_to_dflash2: upgrades the drafter of drafter.init_from; set init_from")
+    for key, value in upgrade.items():
+        if key not in DFLASH2_FIELDS:
+            problems.append(f"drafter.upgrade_to_dflash2.{key}: unknown; allowed: {', '.join(DFLASH2_FIELDS)}")
+        elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            problems.append(f"drafter.upgrade_to_dflash2.{key}: expected an int >= 1, got {value!r}")
+
+
 def _lora_fields() -> dict:
     from peft import LoraConfig
 
@@ -239,10 +255,11 @@ def validate_train_config(config, source: str = "config") -> dict:
         drafter = _check_mapping("drafter", config["drafter"], _drafter_fields(), problems)
         if "init_from" in drafter:
             for key in drafter:
-                if key not in ("init_from", "block_size"):
+                if key not in ("init_from", "block_size", "upgrade_to_dflash2"):
                     problems.append(
                         f"drafter.{key}: ignored with drafter.init_from (the loaded drafter keeps its own); remove it"
                     )
+        _check_upgrade(drafter, problems)
         checked["drafter"] = drafter
     if "data" in config:
         checked["data"] = _check_mapping("data", config["data"], DATA_FIELDS, problems, required=("tokenized",))

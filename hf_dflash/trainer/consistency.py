@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..generation.selector import selector_chain
 from ..generation.tree import accepted_path, best_first_tree
 from ..target_features import compute_target_features
 from .forward import dflash_training_forward
@@ -75,6 +76,7 @@ class ServedTauEstimate:
     served_tau: float  # mean τ over the rounds serving would run
     rounds: list[int] = field(default_factory=list)  # τ of every served round, in order
     per_sample: list[float] = field(default_factory=list)  # served τ per sample
+    per_sample_rounds: list[int] = field(default_factory=list)  # served rounds per sample
 
 
 @torch.no_grad()
@@ -88,17 +90,31 @@ def served_tau_estimate(
 
     One target forward per sample gives the features (or the cached ones are used); the drafter then runs
     the packed training forward with an anchor at EVERY reply position (in chunks of `anchors_per_forward`
-    to bound memory), and argmax drafts are compared with the data tokens (the target's own greedy reply).
+    to bound memory), and the greedy drafts (`served_drafts`: argmax, or a DFlash2 drafter's selector walk) are
+    compared with the data tokens (the target's own greedy reply).
     """
     lm_head = target.get_output_embeddings()
     block_size = drafter.config.block_size
 
     def chain_taus(hidden, blocks):
-        drafts = drafter.greedy_draft_tokens(hidden, lm_head)  # (1, A*bs)
+        drafts = served_drafts(drafter, hidden, lm_head, blocks["block_ids"])  # (1, A*bs)
         correct = (drafts == blocks["labels"]) & (blocks["loss_weights"] > 0)
         return {"chain": anchor_taus(correct[0], block_size)}
 
     return served_estimates(drafter, target, samples, chain_taus, anchors_per_forward)["chain"]
+
+
+def served_drafts(drafter, hidden: torch.Tensor, lm_head, block_ids: torch.LongTensor) -> torch.LongTensor:
+    """(1, A*bs) the greedy drafts serving makes from the packed forward's outputs hidden (1, A*bs, H) of blocks
+    block_ids (1, A*bs): each slot's argmax, or a DFlash2 drafter's selector walk from each block's anchor
+    (slot 0 of each block then holds the anchor: it is never scored)."""
+    if drafter.candidate_selector is None:
+        return drafter.greedy_draft_tokens(hidden, lm_head)
+    block_size = drafter.config.block_size
+    blocks = hidden.view(-1, block_size, hidden.shape[-1])  # (A, bs, H)
+    anchors = block_ids.view(-1, block_size)[:, 0]
+    walk = selector_chain(drafter, blocks[:, 1:], lm_head, anchors).tokens  # (A, bs - 1)
+    return torch.cat([anchors[:, None], walk], 1).view(1, -1)
 
 
 @torch.no_grad()
@@ -166,16 +182,18 @@ def served_estimates(drafter, target, samples: list[dict], score, anchors_per_fo
     drafter.train(drafter_was_training)
     estimates = {}
     for key, per_sample_taus in taus_at.items():
-        rounds, per_sample, every = [], [], []
+        rounds, per_sample, counts, every = [], [], [], []
         for sample, tau_at in zip(samples, per_sample_taus):
             every += list(tau_at.values())
             sample_rounds = walk_served_rounds(tau_at, reply_spans(sample["loss_mask"]))
             rounds += sample_rounds
             per_sample.append(sum(sample_rounds) / len(sample_rounds) if sample_rounds else 0.0)
+            counts.append(len(sample_rounds))
         estimates[key] = ServedTauEstimate(
             uniform_tau=sum(every) / len(every) if every else 0.0,
             served_tau=sum(rounds) / len(rounds) if rounds else 0.0,
             rounds=rounds,
             per_sample=per_sample,
+            per_sample_rounds=counts,
         )
     return estimates

@@ -11,11 +11,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..data.packed import PackedDataset
+from ..data.packed import PackedDataset, source_of
 from .consistency import served_tau_estimate
 from .train import held_out_indices
 
-__all__ = ["held_out_samples", "heldout_tau_row"]
+__all__ = ["held_out_samples", "heldout_tau_row", "served_tau_by_source"]
 
 
 def held_out_samples(packed: str | Path, count: int, eval_part: str | None = None) -> list[dict]:
@@ -36,4 +36,20 @@ def heldout_tau_row(drafter, target, samples: list[dict]) -> dict:
         "rounds": len(estimate.rounds),
         "samples": len(samples),
         "seconds": round(time.perf_counter() - start, 1),
+        "by_source": served_tau_by_source(samples, estimate),
+    }
+
+
+def served_tau_by_source(samples: list[dict], estimate) -> dict[str, dict]:
+    """{source: {"served_tau", "samples", "rounds"}}: the served-walk τ over the samples of each data source
+    (the id's prefix, "gsm8k:12" -> "gsm8k"), committed tokens over rounds as for the whole set."""
+    totals: dict[str, list] = {}
+    for sample, tau, rounds in zip(samples, estimate.per_sample, estimate.per_sample_rounds):
+        total = totals.setdefault(source_of(str(sample.get("id", "unknown"))), [0.0, 0, 0])
+        total[0] += tau * rounds
+        total[1] += 1
+        total[2] += rounds
+    return {
+        source: {"served_tau": round(tokens / max(rounds, 1), 4), "samples": count, "rounds": rounds}
+        for source, (tokens, count, rounds) in sorted(totals.items())
     }

@@ -4,6 +4,7 @@
 target: smollm2-135m-instruct     # a known name (hf_dflash.targets) or a local Transformers folder
 target_dtype: auto                # dtype of the frozen target (auto: bf16 where the hardware has it, else fp32)
 drafter:                          # DFlashConfig.from_target_config arguments, or init_from: FOLDER
+                                  # (+ upgrade_to_dflash2: {selector_rank: 64, ...}: DFlash2 parts at identity)
   num_hidden_layers: 3
   num_target_features: 5
 data:
@@ -50,6 +51,7 @@ from .config_schema import validate_train_config
 from .draft_vocab import draft_vocab_report, select_draft_vocab, supervised_token_counts
 from .initialization import init_from_target
 from .trainer import DFlashTrainer
+from .upgrade import dflash2_from_dflash
 
 FINISHED_RUN_NAME = "finished_run.json"
 STARTED_RUN_NAME = "training_started.json"  # written first into output_dir: the folder is a training's own
@@ -190,6 +192,9 @@ def build_drafter(section: dict, target, tokenizer, block_size: int) -> DFlashDr
     section = dict(section or {})
     if init_from := section.pop("init_from", None):
         drafter = load_drafter(init_from)
+        if (upgrade := section.pop("upgrade_to_dflash2", None)) is not None:
+            drafter = dflash2_from_dflash(drafter, **upgrade)
+            print(f"{init_from} upgraded to DFlash2 ({upgrade}), its new parts at identity.")
         if drafter.config.block_size != block_size:
             # The weights do not depend on the block size: continue training them for another one.
             print(f"{init_from} was trained with block_size {drafter.config.block_size}; continuing with {block_size}.")
