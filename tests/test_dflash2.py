@@ -105,7 +105,7 @@ def test_a_dflash2_config_round_trips_its_fields(tmp_path):
         (dict(V2_FIELDS, selector_top_k=129), r"selector_top_k=129 must be <= vocab_size=128"),
         (dict(V2_FIELDS, selector_rank=2.0), r"selector_rank=2\.0 must be an integer"),
         (dict(V2_FIELDS, selector_rank=0), r"selector_rank=0 must be >= 1"),
-        (dict(V2_FIELDS, draft_vocab_size=64), r"draft_vocab_size=64 with DFlash2"),
+        (dict(V2_FIELDS, draft_vocab_size=2), r"draft_vocab_size=2 < selector_top_k=3"),
         (dict(output_multiplier=0.0), r"output_multiplier=0\.0 must be > 0"),
         (dict(output_multiplier=float("nan")), r"output_multiplier=nan must be a finite number"),
         (dict(input_embedding_scale=-1.0), r"input_embedding_scale=-1\.0 must be > 0"),

@@ -29,13 +29,21 @@ from tests.test_generation_compiled import WidthSpy, compiled_dflash
 DFLASH2 = dict(conv_kernel_size=2, conv_group_size=8, selector_rank=6, selector_top_k=4)
 
 
-def dflash2_drafter(target, block_size: int = 4, seed: int = 1) -> DFlashDraftModel:
-    """A random DFlash2 drafter for `target` whose selector is far from identity (it re-ranks candidates)."""
+def dflash2_drafter(
+    target, block_size: int = 4, seed: int = 1, draft_vocab_size: int | None = None
+) -> DFlashDraftModel:
+    """A random DFlash2 drafter for `target` whose selector is far from identity (it re-ranks candidates); with
+    `draft_vocab_size`, drafting over that many random ids."""
     torch.manual_seed(seed)
     config = DFlashConfig.from_target_config(
-        target.config, num_hidden_layers=2, block_size=block_size, num_target_features=2, **DFLASH2
-    )
+        target.config, num_hidden_layers=2, block_size=block_size, num_target_features=2,
+        draft_vocab_size=draft_vocab_size, **DFLASH2,
+    )  # fmt: skip
     drafter = DFlashDraftModel(config).eval()
+    if draft_vocab_size:
+        drafter.set_draft_vocab(
+            torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(seed))[:draft_vocab_size]
+        )
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in drafter.named_parameters():
@@ -284,3 +292,29 @@ def test_compiled_verification_matches_plain_greedy():
     spy = WidthSpy(target)
     assert torch.equal(compiled_dflash(target, drafter, input_ids, 23), expected)
     assert set(spy.widths) == {4}  # the rounds ran compiled, one graph
+
+
+@pytest.mark.parametrize("draft_tree", [None, 12])
+def test_over_a_draft_vocabulary_drafts_stay_inside_it_and_match_plain_greedy(draft_tree, proposals):
+    target = make_target("qwen3")
+    drafter = dflash2_drafter(target, block_size=4, draft_vocab_size=24)
+    drafter.draft_tree = draft_tree
+    allowed = set(drafter.draft_token_ids.tolist())
+    for seed in (2, 3):  # prompt(0)'s greedy reply meets a logit tie (87 vs 116, 1.5e-8 apart) that shapes flip
+        input_ids = prompt(seed)
+        kwargs = dict(do_sample=False, max_new_tokens=25, eos_token_id=None)
+        assert torch.equal(
+            target.generate(input_ids, assistant_model=drafter, **kwargs), target.generate(input_ids, **kwargs)
+        )
+    for block, hidden, bonus, tokens in proposals:  # chains: the walk over the draft ids
+        assert set(tokens.flatten().tolist()) <= allowed
+        assert torch.equal(tokens, selector_chain(drafter, hidden, block.lm_head, bonus).tokens)
+    assert bool(proposals) == (draft_tree is None)
+
+
+def test_a_dflash2_drafter_with_a_draft_vocabulary_has_no_official_layout(tmp_path):
+    from hf_dflash.checkpoints import save_official
+
+    drafter = dflash2_drafter(make_target("llama"), draft_vocab_size=24)
+    with pytest.raises(ValueError, match="DFlash2 drafter with draft_vocab_size=24 has no official layout"):
+        save_official(drafter, tmp_path / "official")

@@ -148,3 +148,47 @@ def test_a_dflash_drafter_ignores_the_selector_weight(tmp_path):
         loss = trainer.compute_loss(drafter, batch)
         trainer.args.selector_loss_weight = 0.0
         assert torch.equal(loss, trainer.compute_loss(drafter, batch))
+
+
+def test_the_loss_reads_the_logits_through_the_output_transforms(tmp_path):
+    """z-lab's output_multiplier and final_logit_softcapping shape the logits served, so training's too."""
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=BLOCK, output_multiplier=0.5, final_logit_softcapping=3.0)
+    trainer = DFlashTrainer(drafter, arguments(tmp_path, max_steps=1), target=target)
+    batch = trainer.data_collator(samples(count=2))
+    with torch.no_grad():
+        loss = trainer.compute_loss(drafter, batch)
+        features = compute_target_features(target, batch["input_ids"], [1, 3], batch["attention_mask"])
+        hidden = dflash_training_forward(drafter, target.get_input_embeddings(), batch, features, drafter.config)
+        logits = 3.0 * torch.tanh(target.lm_head(hidden) * 0.5 / 3.0)
+        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
+    weights = batch["loss_weights"].flatten()
+    torch.testing.assert_close(loss, (ce * weights).sum() / weights.sum(), rtol=1e-5, atol=1e-6)
+
+
+def test_over_a_draft_vocabulary_the_selector_loss_is_the_full_vocabulary_one_with_other_ids_impossible():
+    selector = selector_of(vocab=12)
+    draft_ids = torch.tensor([0, 2, 3, 5, 7, 8, 11])
+    generator = torch.Generator().manual_seed(3)
+    pruned = torch.randn(5, len(draft_ids), generator=generator)
+    full = torch.full((5, 12), float("-inf")).index_copy(1, draft_ids, pruned)
+    hidden, predecessors = torch.randn(5, 5, generator=generator), torch.tensor([1, 4, 6, 9, 10])
+    labels = torch.tensor([2, 11, 5, 4, 0])  # 4 is not a draft id
+    losses, in_top_k, correct = selector_cross_entropy(pruned, hidden, labels, predecessors, selector, draft_ids)
+    reference = selector_cross_entropy(full, hidden, labels, predecessors, selector)
+    inside = torch.tensor([True, True, True, False, True])
+    torch.testing.assert_close(losses[inside], reference[0][inside])
+    assert losses[3] == 0 and not in_top_k[3] and not correct[3]
+    assert torch.equal(in_top_k[inside], reference[1][inside]) and torch.equal(correct[inside], reference[2][inside])
+
+
+def test_a_dflash_drafter_with_a_draft_vocabulary_upgrades_and_trains(tmp_path):
+    target = make_target("llama")
+    dflash = make_drafter(target, block_size=BLOCK, draft_vocab_size=40)
+    dflash.set_draft_vocab(torch.randperm(128, generator=torch.Generator().manual_seed(0))[:40])
+    drafter = dflash2_from_dflash(dflash, 2, 8, 6, K)
+    assert torch.equal(drafter.draft_token_ids, dflash.draft_token_ids)
+    trainer = DFlashTrainer(drafter, arguments(tmp_path, max_steps=2), target=target, train_dataset=samples(count=4))
+    trainer.train()
+    assert drafter.candidate_selector.hidden_projection.weight.abs().sum() > 0
+    assert any("selector_acc" in entry for entry in trainer.state.log_history)

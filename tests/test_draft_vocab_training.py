@@ -82,19 +82,24 @@ def test_training_with_a_draft_vocab_chooses_it_from_the_data_and_records_covera
 
 
 def test_kl_loss_is_zero_when_the_drafter_matches_the_teacher_and_positive_otherwise():
-    from hf_dflash.trainer.maths import weighted_kl_sum
+    from hf_dflash.trainer.maths import selected_logits, weighted_kl_sum
 
     torch.manual_seed(0)
     head = torch.nn.Linear(8, 12, bias=False)
     hidden = torch.randn(1, 4, 8)
     weights = torch.tensor([[0.0, 1.0, 0.5, 1.0]])
-    teacher = head(hidden[weights > 0])
-    assert weighted_kl_sum(hidden, head, teacher, weights).abs() < 1e-5
-    assert weighted_kl_sum(hidden, head, teacher + torch.randn_like(teacher), weights) > 0.01
+    selected = weights > 0
+    teacher = head(hidden[selected])
+    student = selected_logits(hidden, head, selected)
+    assert weighted_kl_sum(student, teacher, weights[selected]).abs() < 1e-5
+    assert weighted_kl_sum(student, teacher + torch.randn_like(teacher), weights[selected]) > 0.01
     ids = torch.tensor([1, 3, 4, 7, 10])
     t2d = torch.zeros(12, dtype=torch.bool)
     t2d[ids] = True
-    subset = weighted_kl_sum(hidden, head, teacher, weights, (head.weight[ids], target_to_draft_index(t2d)))
+    draft_head = (head.weight[ids], target_to_draft_index(t2d))
+    subset = weighted_kl_sum(
+        selected_logits(hidden, head, selected, draft_head), teacher, weights[selected], draft_head
+    )
     assert subset.abs() < 1e-5  # the teacher renormalised over the subset equals the drafter's subset softmax
 
 

@@ -97,6 +97,12 @@ def save_official(
     `architectures: ["DFlashDraftModel"]` or `["DFlash2DraftModel"]`, `dflash_config`, `auto_map` for AutoModel only),
     `model.safetensors` with the same weight keys as the Hub format, and the two remote-code files.
     `dtype` casts the saved weights. Returns the output folder."""
+    if model.config.is_dflash2 and model.config.draft_vocab_size is not None:
+        raise ValueError(
+            f"A DFlash2 drafter with draft_vocab_size={model.config.draft_vocab_size} has no official layout: "
+            "DFlash2 readers (vLLM, speculators) rank the whole vocabulary. Save it Hub-native (save_hub / "
+            "hf-dflash export), or train it with draft_vocab_size None."
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     target_dtype = as_dtype(dtype) or model.dtype

@@ -78,13 +78,18 @@ def selector_drafts(
     return path.tokens, scores.softmax(-1) if do_sample else scores
 
 
-def selector_tree_children(drafter: DFlashDraftModel, hidden: torch.Tensor, logits: torch.Tensor, temperature=1.0):
+def selector_tree_children(
+    drafter: DFlashDraftModel, hidden: torch.Tensor, logits: torch.Tensor, token_ids=None, temperature: float = 1.0
+):
     """`tree.Children` of one block: slot l's K candidates (the top-K of its draft logits) after a node holding
     token t, ranked by log softmax(S_l | t) with S_l[k] = unary + < A[t] * P_l, B[candidate k] > as the walk
-    scores them (pair term / `temperature`). hidden (L, H) and logits (L, V) of the block's L draft slots.
-    The best child of every node is the greedy walk's choice after it."""
+    scores them (pair term / `temperature`). hidden (L, H) and logits (L, V') of the block's L draft slots;
+    token_ids (V',) the target ids of a pruned draft vocabulary's columns (None: V' is the vocabulary). The
+    best child of every node is the greedy walk's choice after it."""
     selector = drafter.candidate_selector
     candidate_ids, unary = unary_top_k(logits.float(), selector.top_k)  # (L, K)
+    if token_ids is not None:
+        candidate_ids = token_ids.to(candidate_ids.device)[candidate_ids]
     weight = selector.hidden_projection.weight
     projected = selector.hidden_projection(hidden.to(weight.dtype)).float() / temperature  # (L, r)
     successors = selector.successor_codebook[candidate_ids].float()  # (L, K, r)

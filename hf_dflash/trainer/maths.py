@@ -207,27 +207,38 @@ def selector_cross_entropy(
     labels: torch.LongTensor,
     predecessors: torch.LongTensor,
     selector: torch.nn.Module,
+    draft_ids: torch.LongTensor | None = None,
 ) -> tuple[torch.Tensor, torch.BoolTensor, torch.BoolTensor]:
     """DFlash2's K-way selector loss at N positions, teacher-forced.
 
-    logits (N, V) the drafter's draft logits there; hidden_states (N, H) its outputs; labels (N,) the true
-    tokens, predecessors (N,) the true token before each (the anchor for slot 1); `selector` a
-    `DFlashCandidateSelector`. Candidates: the K best ids of the logits (ranked without gradient), the label
+    logits (N, V') the drafter's draft logits there; hidden_states (N, H) its outputs; labels (N,) the true
+    tokens, predecessors (N,) the true token before each (the anchor for slot 1), target ids; `selector` a
+    `DFlashCandidateSelector`; draft_ids (V',) the target ids of a pruned draft vocabulary's columns (None:
+    V' is the vocabulary). Candidates: the K best columns of the logits (ranked without gradient), the label
     put in place of the K-th when it is missing, so every position has a target. Scores as the walk's:
     S[k] = logits[c_k] + < A[predecessor] * hidden_projection(h), B[c_k] >. Returns (losses (N,) = CE(S,
-    label's index), in_top_k (N,) bool: the label was a candidate unaided, correct (N,) bool: argmax S == label
-    and the label was a candidate).
+    label's index), 0 where the label is outside the draft vocabulary; in_top_k (N,) bool: the label was a
+    candidate unaided; correct (N,) bool: argmax S == label and the label was a candidate).
     """
-    candidates = logits.detach().topk(selector.top_k, dim=-1).indices  # (N, K)
-    in_top_k = (candidates == labels[:, None]).any(-1)
-    candidates[:, -1] = torch.where(in_top_k, candidates[:, -1], labels)
+    columns = labels
+    inside = torch.ones_like(labels, dtype=torch.bool)
+    if draft_ids is not None:  # the label's column among the draft ids (-1 outside)
+        index = torch.full((selector.predecessor_codebook.shape[0],), -1, dtype=torch.long, device=labels.device)
+        index[draft_ids] = torch.arange(len(draft_ids), device=labels.device)
+        columns = index[labels]
+        inside = columns >= 0
+        columns = columns.clamp_min(0)
+    candidates = logits.detach().topk(selector.top_k, dim=-1).indices  # (N, K) columns
+    in_top_k = (candidates == columns[:, None]).any(-1) & inside
+    candidates[:, -1] = torch.where(in_top_k | ~inside, candidates[:, -1], columns)
+    ids = candidates if draft_ids is None else draft_ids[candidates]  # target ids: the codebooks' rows
     weight = selector.hidden_projection.weight
     context = selector.predecessor_codebook[predecessors] * selector.hidden_projection(hidden_states.to(weight.dtype))
-    pair = (selector.successor_codebook[candidates] @ context.unsqueeze(-1)).squeeze(-1)  # (N, K)
+    pair = (selector.successor_codebook[ids] @ context.unsqueeze(-1)).squeeze(-1)  # (N, K)
     scores = logits.gather(-1, candidates) + pair.float()
-    target = (candidates == labels[:, None]).int().argmax(-1)
+    target = (candidates == columns[:, None]).int().argmax(-1)
     correct = (scores.argmax(-1) == target) & in_top_k
-    return F.cross_entropy(scores, target, reduction="none"), in_top_k, correct
+    return F.cross_entropy(scores, target, reduction="none") * inside, in_top_k, correct
 
 
 def weighted_cross_entropy_sum(
@@ -246,30 +257,25 @@ def weighted_cross_entropy_sum(
 
 
 def weighted_kl_sum(
-    hidden_states: torch.Tensor,
-    lm_head: torch.nn.Module,
+    student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
     weights: torch.Tensor,
     draft_head: tuple[torch.Tensor, torch.LongTensor] | None = None,
 ) -> torch.Tensor:
-    """Σ w * KL(p_teacher || q_draft) over the positions with w > 0.
+    """Σ w * KL(p_teacher || q_draft) over N positions.
 
-    hidden_states (B, T, H) drafter outputs; teacher_logits (N, V) the target's logits for the N positions
-    with w > 0 (in their order); weights (B, T). With a draft vocabulary (`draft_head`, as in
-    `weighted_cross_entropy_sum`) both distributions are taken over its N' ids (the teacher renormalised
-    there): the drafter cannot propose the others.
+    student_logits (N, V') the drafter's logits there (`selected_logits`, over a pruned draft vocabulary's N'
+    ids when `draft_head` is given, as in `position_cross_entropy`); teacher_logits (N, V) the target's;
+    weights (N,). With a draft vocabulary both distributions are taken over its N' ids (the teacher
+    renormalised there): the drafter cannot propose the others.
     """
-    selected = weights > 0
-    if draft_head is None:
-        student = lm_head(hidden_states[selected].to(lm_head.weight.dtype)).float()
-        teacher = teacher_logits.float()
-    else:
-        weight, target_to_draft = draft_head
-        student = F.linear(hidden_states[selected].to(weight.dtype), weight).float()
-        ids = (target_to_draft >= 0).nonzero().squeeze(1)  # ascending: draft index order
-        teacher = teacher_logits.float()[:, ids]
+    teacher = teacher_logits.float()
+    if draft_head is not None:
+        _, target_to_draft = draft_head
+        teacher = teacher[:, (target_to_draft >= 0).nonzero().squeeze(1)]  # ascending: draft index order
+    student = student_logits.float()
     kl = F.kl_div(student.log_softmax(-1), teacher.log_softmax(-1), log_target=True, reduction="none").sum(-1)
-    return (kl * weights[selected]).sum()
+    return (kl * weights).sum()
 
 
 def acceptance_estimate(

@@ -9,6 +9,7 @@ from transformers import PreTrainedModel, Trainer
 from ..hub_cards import TAGS as CARD_TAGS
 from ..hub_cards import TRAINING_RECORD_NAME, render_model_card
 from ..modeling_dflash import DFlashDraftModel
+from ..modeling_dflash.modeling_dflash import transform_logits
 from ..target_features import compute_target_features, compute_target_features_and_logits
 from ..targets import KNOWN_TARGETS
 from .arguments import DFlashTrainingArguments
@@ -53,8 +54,9 @@ def weighted_selector_losses(drafter, logits, hidden, labels, supervised, weight
     if selector is None or weight == 0:
         return 0.0, {}
     predecessors = block_predecessors(labels, drafter.config.block_size)[supervised]
+    draft_ids = drafter.draft_token_ids  # None: the logits span the whole vocabulary
     losses, in_top_k, correct = selector_cross_entropy(
-        logits, hidden[supervised], labels[supervised], predecessors, selector
+        logits, hidden[supervised], labels[supervised], predecessors, selector, draft_ids
     )
     total = supervised.sum()
     return weight * losses, {"selector_top_k_recall": (in_top_k.sum(), total), "selector_acc": (correct.sum(), total)}
@@ -144,7 +146,9 @@ class DFlashTrainer(Trainer):
         if drafter.config.draft_vocab_size is not None:
             draft_head = (drafter.draft_head(lm_head).weight, target_to_draft_index(drafter.t2d))
             self._count("draft_vocab_miss", (supervised & ~drafter.t2d[inputs["labels"]]).sum(), supervised.sum())
-        logits = selected_logits(hidden, lm_head, supervised, draft_head)  # (N, V'): read by both losses
+        config = drafter.config  # the logits as served: z-lab's output transforms apply (no-ops by default)
+        logits = selected_logits(hidden, lm_head, supervised, draft_head)  # (N, V'): read by every loss
+        logits = transform_logits(logits, config.output_multiplier, config.final_logit_softcapping)
         losses, inside, correct = position_cross_entropy(
             hidden, lm_head, inputs["labels"], supervised, draft_head, logits
         )
@@ -163,7 +167,7 @@ class DFlashTrainer(Trainer):
             return (loss, hidden) if return_outputs else loss
         loss_sum = ((losses + selector_losses) * weights[supervised]).sum()
         if teacher_logits is not None:  # distillation: the KL replaces the cross-entropy (correct stays hard)
-            loss_sum = weighted_kl_sum(hidden, lm_head, teacher_logits, weights, draft_head)
+            loss_sum = weighted_kl_sum(logits, teacher_logits, weights[supervised], draft_head)
         normaliser = num_items_in_batch if num_items_in_batch is not None else weights.sum()
         loss = loss_sum / normaliser.clamp_min(1e-6)
         if self.args.average_tokens_across_devices and self.args.world_size > 1:

@@ -477,10 +477,10 @@ def _check_dflash2(config) -> None:
         )
     if config.selector_top_k > config.vocab_size:
         raise ValueError(f"selector_top_k={config.selector_top_k} must be <= vocab_size={config.vocab_size}.")
-    if config.draft_vocab_size is not None:
+    if config.draft_vocab_size is not None and config.draft_vocab_size < config.selector_top_k:
         raise ValueError(
-            f"draft_vocab_size={config.draft_vocab_size} with DFlash2: the candidate selector ranks the whole "
-            "vocabulary (its codebooks have vocab_size rows); set draft_vocab_size to None."
+            f"draft_vocab_size={config.draft_vocab_size} < selector_top_k={config.selector_top_k}: the selector "
+            "ranks selector_top_k candidates among the draft ids; enlarge the draft vocabulary or lower top-K."
         )
 
 

@@ -36,7 +36,7 @@ class DrafterTreeDrafting(ChainDrafting):
         drafter = self.block.drafter
         if drafter.candidate_selector is not None:  # DFlash2: each node's children ranked by the selector
             temperature = sampling_temperature(self.logits_processor) if self.do_sample else 1.0
-            children = selector_tree_children(drafter, hidden[0], logits[0], temperature)
+            children = selector_tree_children(drafter, hidden[0], logits[0], token_ids, temperature)
             tree = self.trees.build_by(int(bonus[0]), hidden.shape[1], children)
         else:
             tree = self.trees.build(int(bonus[0]), logits[0], token_ids)
