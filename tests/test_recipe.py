@@ -5,6 +5,7 @@ import contextlib
 import io
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import yaml
@@ -208,3 +209,13 @@ def test_the_same_recipe_trains_under_accelerate_launch_on_two_cpu_processes(tmp
     subprocess.run([*launcher, worker, *argv], check=True, timeout=300, cwd=tmp_path)
     record = json.loads((tmp_path / "out" / "export" / "training_record.json").read_text())
     assert record["hyperparameters"]["world_size"] == 2 and record["global_steps"] == 4
+
+
+@pytest.mark.parametrize(
+    "path", sorted((Path(__file__).resolve().parents[1] / "configs" / "recipe").glob("*.yaml")), ids=lambda p: p.name
+)
+def test_committed_recipe_configs_are_valid(path):
+    from hf_dflash.recipe.config import load_recipe_config
+
+    config = load_recipe_config(path, "gemma3-270m", None)  # the target comes from the command line
+    assert config["data"]["max_prompts"]  # the committed recipe configs are short runs
