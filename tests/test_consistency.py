@@ -89,6 +89,37 @@ def test_tree_estimate_of_a_top1_tree_is_the_chain_estimate_and_grows_with_the_b
     assert uniform == sorted(uniform) and uniform[-1] > uniform[0]
 
 
+@pytest.mark.parametrize("dflash2", [False, True])
+def test_tree_estimates_equal_generate_with_trees_round_for_round(dflash2):
+    """An oracle drafter (DFlash, or DFlash2 whose selector re-ranks) serving trees of 6 nodes: the estimate's
+    rounds for budget 6 are generate's."""
+    from hf_dflash.trainer.consistency import served_tree_tau_estimates
+
+    target = make_target("llama")
+    prompt = torch.tensor([[5, 17, 33, 9, 71, 12]])
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=40, eos_token_id=None)
+    believed = plain.clone()
+    for position in (9, 10, 17, 25, 33):
+        believed[0, position] = (believed[0, position] + 1) % 128
+    sizes = dict(conv_kernel_size=2, conv_group_size=8, selector_rank=6, selector_top_k=4) if dflash2 else {}
+    drafter = OracleDrafter(make_drafter(target, block_size=4, **sizes).config, target.lm_head.weight, believed).eval()
+    if dflash2:
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for parameter in drafter.candidate_selector.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    drafter.draft_tree = 6
+    served = target.generate(prompt, do_sample=False, max_new_tokens=40, eos_token_id=None, assistant_model=drafter)
+    assert torch.equal(served, plain)
+    sample = {"input_ids": plain[0].tolist(), "loss_mask": [0] * prompt.shape[1] + [1] * 40}
+    estimate = served_tree_tau_estimates(drafter, target, [sample], budgets=[6], top_k=4, anchors_per_forward=7)[6]
+    served_rounds = drafter.last_acceptance.acceptance_lengths
+    # the last round has room for fewer slots than the block: generate's tree of 6 then spends its nodes on
+    # fewer depths, the estimate's (full block) does not; every earlier round is the same tree
+    last = len(served_rounds) - 1
+    assert estimate.rounds[:last] == served_rounds[:last] and max(served_rounds) > 1
+
+
 def test_served_tau_by_source_weighs_each_sample_by_its_rounds():
     from hf_dflash.trainer.consistency import ServedTauEstimate
     from hf_dflash.trainer.heldout import served_tau_by_source

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..generation.selector import selector_chain
-from ..generation.tree import accepted_path, best_first_tree
+from ..generation.selector import selector_chain, selector_tree_children
+from ..generation.tree import accepted_path, best_first_tree, best_first_tree_by
 from ..target_features import compute_target_features
 from .forward import dflash_training_forward
 from .maths import build_blocks
@@ -123,8 +123,8 @@ def served_tree_tau_estimates(
 ) -> dict[int, ServedTauEstimate]:
     """`served_tau_estimate` for draft trees: τ(p) is 1 + the depth of the longest prefix of the data's
     continuation held by the drafter's best-first tree of N nodes (`generation.tree.best_first_tree`: the N - 1
-    most probable continuations, the `top_k` best tokens per slot), for each N in `budgets`, from one tree
-    of the largest budget (a smaller tree is its first N nodes)."""
+    most probable continuations, the `top_k` best tokens per slot; a DFlash2 drafter's selector trees, its own
+    top-K), for each N in `budgets`, from one tree of the largest budget (a smaller tree is its first N nodes)."""
     lm_head = target.get_output_embeddings()
     block_size, largest = drafter.config.block_size, max(budgets)
     token_ids = drafter.draft_token_ids
@@ -138,8 +138,13 @@ def served_tree_tau_estimates(
         labels, supervised = slots(blocks["labels"]), slots(blocks["loss_weights"] > 0)
         log_probs, ranked = slots(log_probs), slots(ranked)
         taus = {budget: [] for budget in budgets}
+        anchors = blocks["block_ids"].view(-1, block_size)[:, 0].tolist()
         for a in range(labels.shape[0]):
-            tree, _ = best_first_tree(0, ranked[a], log_probs[a], largest)
+            if drafter.candidate_selector is None:
+                tree, _ = best_first_tree(0, ranked[a], log_probs[a], largest)
+            else:  # DFlash2: each node's children ranked by the selector given the node's token
+                children = selector_tree_children(drafter, slots(hidden)[a], slots(logits)[a], token_ids)
+                tree, _ = best_first_tree_by(anchors[a], block_size - 1, children, largest)
             reply = labels[a][supervised[a].long().cumprod(0).bool()].tolist()  # up to the first unsupervised
             path = accepted_path(tree, reply)[1:]
             for budget in budgets:  # nodes along a path are numbered increasingly: count those below N
