@@ -95,12 +95,16 @@ class BlockDrafter:
         token before the block (`selector.selector_drafts`). rows/prefixes/batch_size: as
         `process_draft_rows` needs them.
         """
-        selecting = self.drafter.candidate_selector is not None
-        if not do_sample and not logits_processor and not selecting:
-            return Drafts(self.drafter.greedy_draft_tokens(hidden, self.lm_head))
+        selector = self.drafter.candidate_selector
+        if not do_sample and not logits_processor:
+            if selector is None:
+                return Drafts(self.drafter.greedy_draft_tokens(hidden, self.lm_head))
+            if anchors is not None:  # the walk over the draft ids' logits alone (no full-vocabulary scatter)
+                logits = self.drafter.draft_logits(hidden, self.lm_head, full_vocab=False)
+                return Drafts(selector.walk(hidden, logits, anchors, token_ids=self.drafter.draft_token_ids)[0].tokens)
         logits = self.drafter.draft_logits(hidden, self.lm_head)  # (B, d, V)
         logits = process_draft_rows(logits_processor, batch_size, rows or [0], prefixes, logits)
-        if selecting:
+        if selector is not None:
             if anchors is None:
                 raise ValueError(
                     "A DFlash2 drafter drafts from each row's anchor: pass anchors (B,), the bonus tokens."

@@ -194,12 +194,15 @@ class DFlashCandidateSelector(nn.Module):
         self.successor_codebook = nn.Parameter(torch.zeros(vocab_size, rank))
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
 
-    def walk(self, hidden, logits, anchor_ids, choose=greedy_choice, temperature: float = 1.0):
+    def walk(self, hidden, logits, anchor_ids, choose=greedy_choice, temperature: float = 1.0, token_ids=None):
         """`selector_walk` over the top-K of the draft logits (..., L, V) (processed, if the loop processes them)
         of the drafter's outputs hidden (..., L, H) at the block's L draft slots, from anchor_ids (...); the pair
         term is divided by `temperature` (sampling at T: softmax(S / T), the unary logits already tempered).
-        Returns (the SelectorPath, the candidate ids (..., L, K) its score rows refer to)."""
+        token_ids (V',): the target ids of logits over a pruned draft vocabulary's V' columns (None: V' = V).
+        Returns (the SelectorPath, the candidate target ids (..., L, K) its score rows refer to)."""
         candidate_ids, unary = unary_top_k(logits.float(), self.top_k)
+        if token_ids is not None:
+            candidate_ids = token_ids.to(candidate_ids.device)[candidate_ids]
         projected = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype)) / temperature
         codebooks = self.predecessor_codebook, self.successor_codebook
         return selector_walk(candidate_ids, unary, projected, *codebooks, anchor_ids, choose), candidate_ids
