@@ -192,3 +192,22 @@ def test_a_dflash_drafter_with_a_draft_vocabulary_upgrades_and_trains(tmp_path):
     trainer.train()
     assert drafter.candidate_selector.hidden_projection.weight.abs().sum() > 0
     assert any("selector_acc" in entry for entry in trainer.state.log_history)
+
+
+def test_the_selector_gets_its_own_learning_rate(tmp_path):
+    """selector_learning_rate: the selector's weights in groups of their own at that peak (the scheduler scales
+    every group alike), every parameter in exactly one group; a step trains with it."""
+    target, drafter = dflash2_pair()
+    args = arguments(tmp_path, max_steps=1, learning_rate=1e-3, selector_learning_rate=2e-2, warmup_steps=0)
+    trainer = DFlashTrainer(drafter, args, target=target, train_dataset=samples(count=4))
+    optimizer = trainer.create_optimizer()
+    selector = {id(p) for p in drafter.candidate_selector.parameters()}
+    seen = [id(p) for group in optimizer.param_groups for p in group["params"]]
+    assert sorted(seen) == sorted(id(p) for p in drafter.parameters() if p.requires_grad)
+    for group in optimizer.param_groups:
+        kinds = {id(p) in selector for p in group["params"]}
+        assert len(kinds) == 1 and group["lr"] == (2e-2 if kinds == {True} else 1e-3)
+    trainer.train()
+    assert any("selector_acc" in entry for entry in trainer.state.log_history)
+    with pytest.raises(ValueError, match="selector_learning_rate must be > 0"):
+        arguments(tmp_path, selector_learning_rate=0.0)

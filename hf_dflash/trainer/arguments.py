@@ -55,6 +55,13 @@ class DFlashTrainingArguments(TrainingArguments):
             "the selector not at all. Ignored for DFlash drafters."
         },
     )
+    selector_learning_rate: float | None = field(
+        default=None,
+        metadata={
+            "help": "DFlash2 drafters: the peak learning rate of the candidate selector's weights (codebooks and "
+            "hidden projection), which start from identity while the rest is trained; None: learning_rate."
+        },
+    )
     feature_mode: str = field(
         default="online",
         metadata={"help": "'online': run the frozen target in each step; 'offline': read cached features."},
@@ -98,6 +105,8 @@ class DFlashTrainingArguments(TrainingArguments):
             )
         if self.position_weighting == "dpace" and self.loss_type != "ce":
             raise ValueError(f"position_weighting='dpace' weights the cross-entropy; got loss_type={self.loss_type!r}.")
+        if self.selector_learning_rate is not None and not self.selector_learning_rate > 0:
+            raise ValueError(f"selector_learning_rate must be > 0 (or None), got {self.selector_learning_rate!r}.")
         if not self.selector_loss_weight >= 0:
             raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight!r}.")
         if not 0 < self.dpace_alpha <= 1:

@@ -62,6 +62,21 @@ def weighted_selector_losses(drafter, logits, hidden, labels, supervised, weight
     return weight * losses, {"selector_top_k_recall": (in_top_k.sum(), total), "selector_acc": (correct.sum(), total)}
 
 
+def give_selector_its_learning_rate(optimizer: torch.optim.Optimizer, model, learning_rate: float) -> None:
+    """Move a DFlash2 drafter's `candidate_selector` parameters out of the optimizer's groups into groups of
+    their own (one per group they left, its other options kept) with peak `learning_rate`; before any step,
+    so the scheduler scales them like the rest. No-op without a selector."""
+    selected = {id(p) for name, p in model.named_parameters() if name.startswith("candidate_selector.")}
+    for group in list(optimizer.param_groups):
+        moved = [p for p in group["params"] if id(p) in selected]
+        if moved:
+            group["params"] = [p for p in group["params"] if id(p) not in selected]
+            optimizer.add_param_group(
+                {**{k: v for k, v in group.items() if k != "params"}, "params": moved, "lr": learning_rate}
+            )
+    optimizer.param_groups[:] = [group for group in optimizer.param_groups if group["params"]]
+
+
 class DFlashTrainer(Trainer):
     """Trains a `DFlashDraftModel` with the DFlash recipe (random anchors in the response, the next block_size - 1
     positions masked, the loss weighted by exp(-(k - 1) / gamma)).
@@ -108,6 +123,12 @@ class DFlashTrainer(Trainer):
         self.model_accepts_loss_kwargs = True  # compute_loss uses num_items_in_batch
         self.loss_is_scaled_for_ga = True
         self._metric_sums: dict[str, dict[str, torch.Tensor]] = {"train": {}, "eval": {}}
+
+    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
+        optimizer = super().create_optimizer(model)
+        if self.args.selector_learning_rate is not None:
+            give_selector_its_learning_rate(optimizer, self.model, self.args.selector_learning_rate)
+        return optimizer
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
         """Σ of the loss weights over the accumulated batch (and over processes when averaging)."""
