@@ -16,22 +16,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.generation.logits_process import TemperatureLogitsWarper
 
 from ..modeling_dflash import DFlashDraftModel
+from ..modeling_dflash.custom_generate import sampled_choice, sampling_temperature
 from ..modeling_dflash.modeling_dflash import SelectorPath, greedy_choice, selector_walk, unary_top_k
-
-
-def sampled_choice(scores: torch.Tensor) -> torch.LongTensor:
-    """(..., K) scores -> (...) an index drawn from softmax(scores)."""
-    flat = scores.softmax(-1).flatten(0, -2)
-    return torch.multinomial(flat, 1).view(scores.shape[:-1])
-
-
-def sampling_temperature(logits_processor) -> float:
-    """The temperature among the call's logits processors (1.0 without a temperature warper)."""
-    warpers = [p for p in logits_processor or () if isinstance(p, TemperatureLogitsWarper)]
-    return float(warpers[0].temperature) if warpers else 1.0
 
 
 def selector_chain(

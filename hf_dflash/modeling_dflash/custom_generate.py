@@ -282,15 +282,21 @@ def draft(drafter, lm_head, hidden, sequence, logits_processor, do_sample: bool)
     if selector is None:
         probs = logits.softmax(-1)
         return torch.multinomial(probs[0], 1).T, probs
-    temperature = next((p.temperature for p in logits_processor if isinstance(p, TemperatureLogitsWarper)), 1.0)
-    path, candidate_ids = selector.walk(hidden, logits, sequence[:, -1], sampled_index, float(temperature))
+    temperature = sampling_temperature(logits_processor)
+    path, candidate_ids = selector.walk(hidden, logits, sequence[:, -1], sampled_choice, temperature)
     probs = logits.new_zeros(logits.shape).scatter(-1, candidate_ids, path.scores.softmax(-1))
     return path.tokens, probs
 
 
-def sampled_index(scores: torch.Tensor) -> torch.LongTensor:
-    """(B, K) scores -> (B,) an index drawn from softmax(scores)."""
-    return torch.multinomial(scores.softmax(-1), 1)[:, 0]
+def sampled_choice(scores: torch.Tensor) -> torch.LongTensor:
+    """(..., K) scores -> (...) an index drawn from softmax(scores) (the selector walk's sampling choice)."""
+    return torch.multinomial(scores.softmax(-1).flatten(0, -2), 1).view(scores.shape[:-1])
+
+
+def sampling_temperature(logits_processor) -> float:
+    """The temperature among the call's logits processors (1.0 without a temperature warper)."""
+    warpers = [p for p in logits_processor or () if isinstance(p, TemperatureLogitsWarper)]
+    return float(warpers[0].temperature) if warpers else 1.0
 
 
 @torch.no_grad()
