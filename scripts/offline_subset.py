@@ -13,7 +13,9 @@ random subset of the training chats, then the fixed held-out chats (the first `-
 `--exclude DIR/subset.json` (repeatable) leaves out the training chats of earlier subsets, so a drafter
 trained further from an earlier one's weights sees only chats it has not seen (the chats neither v2's
 nor v3's subset drew: `--samples 5275 --seed 2 --exclude` both their subset.json files; a subset.json is
-re-made by running this script again with that subset's settings).
+re-made by running this script again with that subset's settings). `--parts A,B` draws only from those
+parts (new data for a drafter that saw the others); `--reserve PART` never draws the first
+`--eval-samples` chats of PART, a second fixed held-out set (`heldout_tau.py --eval-part PART`).
 
 Files are written under temporary names and renamed when complete; `subset.json` (written last) records
 the settings and the chosen sample ids. Re-running with the same settings leaves a finished folder alone;
@@ -42,13 +44,21 @@ SAMPLES_PER_FILE = 1000
 
 
 def choose_subset(
-    parts: list[str], count: int, seed: int, eval_part: str, eval_samples: int, exclude: set[int] = frozenset()
+    parts: list[str],
+    count: int,
+    seed: int,
+    eval_part: str,
+    eval_samples: int,
+    exclude: set[int] = frozenset(),
+    train_parts: set[str] | None = None,
+    reserved_parts: tuple[str, ...] = (),
 ) -> tuple[list[int], list[int]]:
     """(training indices, held-out indices) of a packed dataset whose sample i belongs to `parts[i]`.
 
     Held out: the first `eval_samples` of `eval_part` (the fixed held-out set of the recipe comparison
     and learning curve). Training: `count` of the others not in `exclude`, drawn with
-    `random.Random(seed)`, in dataset order.
+    `random.Random(seed)`, in dataset order; only from `train_parts` when given. The first `eval_samples`
+    of each of `reserved_parts` are never drawn either (a second fixed held-out set, scored apart).
     """
     if isinstance(eval_samples, bool) or not isinstance(eval_samples, int) or eval_samples < 0:
         raise ValueError(f"--eval-samples {eval_samples}: must be a count >= 0 (the held-out chats of --eval-part).")
@@ -57,8 +67,14 @@ def choose_subset(
         raise ValueError(
             f"--eval-part {eval_part} has {len(held_out)} samples, fewer than --eval-samples {eval_samples}."
         )
-    excluded = set(held_out) | set(exclude)
-    candidates = [i for i in range(len(parts)) if i not in excluded]
+    unknown = sorted((set(train_parts or ()) | set(reserved_parts)) - set(parts))
+    if unknown:
+        raise ValueError(f"Part(s) {unknown} are not in the packed data; its parts: {sorted(set(parts))}.")
+    reserved = [i for part in reserved_parts for i in [j for j, p in enumerate(parts) if p == part][:eval_samples]]
+    excluded = set(held_out) | set(exclude) | set(reserved)
+    candidates = [
+        i for i in range(len(parts)) if i not in excluded and (train_parts is None or parts[i] in train_parts)
+    ]
     if not 1 <= count <= len(candidates):
         raise ValueError(f"--samples {count}: choose between 1 and the {len(candidates)} training samples.")
     return sorted(random.Random(seed).sample(candidates, count)), held_out
@@ -95,6 +111,14 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SUBSET_JSON",
         help="subset.json of an earlier subset: none of its training chats are drawn (repeatable)",
     )
+    parser.add_argument("--parts", default=None, help="comma-separated parts to draw from (default: all)")
+    parser.add_argument(
+        "--reserve",
+        action="append",
+        default=[],
+        metavar="PART",
+        help="never draw the first --eval-samples chats of PART (a second held-out set; repeatable)",
+    )
     args = parser.parse_args(argv)
     return run_reporting_errors("offline_subset.py", lambda: write_subset(args))
 
@@ -121,6 +145,11 @@ def write_locked(args: argparse.Namespace, out: Path, excluded_ids: dict[str, se
     }
     if excluded_ids:  # recorded only when given: folders written before --exclude keep their settings
         settings["exclude"] = [{"path": path, "train_ids": len(ids)} for path, ids in excluded_ids.items()]
+    train_parts = sorted(set(args.parts.split(","))) if args.parts else None
+    if train_parts:  # likewise
+        settings["parts"] = train_parts
+    if args.reserve:
+        settings["reserve"] = list(args.reserve)
     record_path = out / RECORD
     if record_path.is_file():
         if read_json_object(record_path, "subset record").get("settings") == settings:
@@ -132,7 +161,16 @@ def write_locked(args: argparse.Namespace, out: Path, excluded_ids: dict[str, se
     dataset = PackedDataset(args.data)
     unwanted = set().union(*excluded_ids.values())
     exclude = {i for i, sample in enumerate(dataset.samples) if sample["id"] in unwanted}
-    train, held_out = choose_subset(dataset.parts, args.samples, args.seed, args.eval_part, args.eval_samples, exclude)
+    train, held_out = choose_subset(
+        dataset.parts,
+        args.samples,
+        args.seed,
+        args.eval_part,
+        args.eval_samples,
+        exclude,
+        None if train_parts is None else set(train_parts),
+        tuple(args.reserve),
+    )
     for start in range(0, len(train), SAMPLES_PER_FILE):
         chunk = [dataset[i] for i in train[start : start + SAMPLES_PER_FILE]]
         write_jsonl(out / f"tokenized-{start // SAMPLES_PER_FILE:05d}.jsonl", chunk)

