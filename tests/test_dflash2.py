@@ -436,6 +436,67 @@ def test_convert_both_ways_keeps_the_drafter(official_dir, official_model, tmp_p
     assert json.loads((back / "config.json").read_text())["dflash_config"] == OFFICIAL_CONFIG["dflash_config"]
 
 
+def write_speculators_folder(model: DFlashDraftModel, folder: Path, **overrides) -> Path:
+    """`model` in vLLM speculators' DFlash2 layout (speculators/models/dflash2/config.py): the DFlash layout
+    with `speculators_model_type: "dflash2"` and the four fields top-level, the verifier's copies beside."""
+    folder.mkdir(parents=True)
+    config = model.config
+    decoder = {field: getattr(config, field) for field in ("vocab_size", "hidden_size", "intermediate_size",
+               "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+               "max_position_embeddings")}  # fmt: skip
+    decoder |= {"model_type": "qwen3", "hidden_act": "silu", "rope_parameters": dict(config.rope_parameters)}
+    layout = {
+        "speculators_model_type": "dflash2",
+        "architectures": ["DFlash2DraftModel"],
+        "block_size": config.block_size,
+        "draft_vocab_size": config.vocab_size,
+        "mask_token_id": config.mask_token_id,
+        "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
+        "projector_type": "dflash",
+        "sample_from_anchor": False,
+        "transformer_layer_config": decoder,
+        **{field: getattr(config, field) for field in V2_FIELDS},
+        **overrides,
+    }
+    (folder / "config.json").write_text(json.dumps(layout))
+    weights = {key: value.clone() for key, value in model.state_dict().items()}
+    weights |= {"embed_tokens.weight": torch.randn(128, 32), "t2d": torch.ones(128, dtype=torch.bool)}
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def test_a_speculators_dflash2_folder_loads_and_converts(tmp_path):
+    source = perturbed(DFlashDraftModel(DFlashConfig(**V1, **V2_FIELDS)), seed=3)
+    folder = write_speculators_folder(source, tmp_path / "speculators")
+    loaded = load_drafter(folder, num_target_layers=6)
+    assert loaded.config.is_dflash2 and [getattr(loaded.config, f) for f in V2_FIELDS] == [2, 8, 6, 3]
+    assert loaded.config.sliding_window_non_causal is True  # speculators' DFlash2 default
+    inputs = block_inputs()
+    assert torch.equal(outputs(loaded, inputs), outputs(source, inputs))
+    hidden, head, anchor = torch.randn(1, 3, 32), nn.Linear(32, 128).requires_grad_(False), torch.tensor([5])
+    walk = selector_chain(loaded, hidden, head, anchor)  # the selector's weights arrived too
+    expected = selector_chain(source, hidden, head, anchor)
+    assert torch.equal(walk.tokens, expected.tokens) and torch.equal(walk.scores, expected.scores)
+    official = convert(folder, tmp_path / "official", to="official", num_target_layers=6)
+    assert torch.equal(outputs(load_drafter(official), inputs), outputs(source, inputs))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"selector_rank": None}, r"'dflash2' with DFlash2 fields .* lacks \['selector_rank'\]"),
+        ({"speculators_model_type": "dflash"}, r"'dflash' with DFlash2 fields"),
+        ({"speculators_model_type": "dspark"}, r"'dspark' checkpoint"),
+    ],
+    ids=["missing_field", "fields_on_dflash", "dspark"],
+)
+def test_speculators_dflash2_configs_that_cannot_be_read_are_named(tmp_path, overrides, message):
+    source = DFlashDraftModel(DFlashConfig(**V1, **V2_FIELDS))
+    folder = write_speculators_folder(source, tmp_path / "speculators", **overrides)
+    with pytest.raises(ValueError, match=message):
+        load_drafter(folder, num_target_layers=6)
+
+
 def _edit(folder: Path, config_edit=None, weights_edit=None) -> Path:
     if config_edit is not None:
         config = json.loads((folder / "config.json").read_text())

@@ -5,7 +5,7 @@ Formats: Hub-native ("hub", `hub.py`), official / SpecForge / vLLM / SGLang ("of
 
 * DFlash2 (z-lab's `DFlash2DraftModel`, docs/dflash2.md): grouped dynamic convolutions around each
   sublayer and a candidate selector. Read and written in the official layout (the same `DFlashDraftModel`
-  with its DFlash2 parts); speculators' `dflash2` layout is refused by name.
+  with its DFlash2 parts); speculators' `dflash2` layout is read too (load only).
 * A drafter object built by someone else's code (z-lab's `DFlashDraftModel`, a plain `Qwen3Model`
   loaded from an official folder without remote code, ...): `looks_like_dflash_drafter` tells it
   apart from an ordinary assistant model, so `generate` can refuse it instead of running plain

@@ -8,9 +8,14 @@ are those ids minus one; `mask_token_id`, `block_size`, `draft_vocab_size` and
 verifier's embedding / LM head and the vocabulary maps `t2d`/`d2t`, which this drafter borrows from
 the target instead. The checkpoint does not record how many layers the verifier has.
 
-Loadable: full-vocabulary DFlash with the plain projector and same-position labels. Refused, each by
-name: Domino projectors, `sample_from_anchor`, `shift_label`, reduced draft vocabularies, DFlash2 /
-DSpark / EAGLE and other algorithms.
+`speculators_model_type: "dflash2"` (speculators `src/speculators/models/dflash2/`, marked experimental
+there) adds `conv_kernel_size`, `conv_group_size`, `selector_rank` and `selector_top_k` top-level, defaults
+`sliding_window_non_causal` to true, and its weights add `layers.{i}.{attention,mlp}_conv.*` and
+`candidate_selector.*` under the names our DFlash2 drafter (and z-lab's layout) uses.
+
+Loadable: full-vocabulary DFlash and DFlash2 with the plain projector and same-position labels. Refused,
+each by name: Domino projectors, `sample_from_anchor`, `shift_label`, reduced draft vocabularies, a DFlash2
+config without its four fields, DSpark / EAGLE and other algorithms.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 from ..modeling_dflash import DFlashDraftModel
 from ..modeling_dflash.configuration_dflash import (
     CHECKPOINT_REQUIRED_FIELDS,
+    DFLASH2_FIELDS,
     OFFICIAL_DECODER_FIELDS,
     SILENT_FALLBACK,
     rope_parameters_from_config,
@@ -53,13 +59,22 @@ def dflash_kwargs_from_speculators(config: dict, source: str, num_target_layers:
     field for anything this drafter cannot serve (see the module docstring).
     """
     algorithm = config.get(SPECULATORS_TYPE_FIELD)
-    if algorithm in ("dflash2", "dspark") or "conv_kernel_size" in config:
+    if algorithm == "dspark":
         raise ValueError(
-            f"{source} is a speculators {algorithm!r} checkpoint (a DFlash2/DSpark variant with extra heads); "
-            "hf_dflash reads DFlash2 in z-lab's official layout only (docs/dflash2.md). Serve it with vLLM."
+            f"{source} is a speculators 'dspark' checkpoint (a DFlash variant with extra heads this drafter lacks); "
+            "hf_dflash reads speculators' 'dflash' and 'dflash2' only. Serve it with vLLM."
         )
-    if algorithm != "dflash":
+    if algorithm not in ("dflash", "dflash2"):
         raise ValueError(f"{source}: speculators_model_type {algorithm!r} is not a DFlash drafter.")
+    dflash2 = {field: config.get(field) for field in DFLASH2_FIELDS} if algorithm == "dflash2" else {}
+    missing = [field for field, value in dflash2.items() if value is None]
+    if missing or (algorithm == "dflash" and "conv_kernel_size" in config):
+        raise ValueError(
+            f"{source}: speculators_model_type {algorithm!r} with DFlash2 fields "
+            f"{sorted(set(DFLASH2_FIELDS) & set(config))} lacks {missing or list(DFLASH2_FIELDS)}: a DFlash2 "
+            "checkpoint says 'dflash2' and carries all four (conv_kernel_size, conv_group_size, selector_rank, "
+            "selector_top_k); fix the config."
+        )
     refusals = {
         "projector_type": ("dflash", "a Domino correction head runs after the drafter, which this drafter lacks"),
         "sample_from_anchor": (False, "slot 0 drafts a token too; this loop treats it as the known anchor"),
@@ -115,8 +130,10 @@ def dflash_kwargs_from_speculators(config: dict, source: str, num_target_layers:
         mask_token_id=config["mask_token_id"],
         target_layer_ids=[i - 1 for i in aux],
         num_target_layers=depth,
-        sliding_window_non_causal=bool(config.get("sliding_window_non_causal", False)),
+        # speculators' default: false for DFlash, true for DFlash2 (its config class says so)
+        sliding_window_non_causal=bool(config.get("sliding_window_non_causal", algorithm == "dflash2")),
         tie_word_embeddings=False,
+        **dflash2,
     )
     if config.get("target_hidden_size") is not None:
         kwargs["target_hidden_size"] = config["target_hidden_size"]
@@ -156,7 +173,8 @@ def load_speculators(
     device: str | torch.device | None = None,
     attn_implementation: str | None = None,
 ) -> DFlashDraftModel:
-    """Load a vLLM speculators DFlash checkpoint folder (`speculators_model_type: "dflash"`) as a
+    """Load a vLLM speculators DFlash or DFlash2 checkpoint folder (`speculators_model_type: "dflash"` or
+    `"dflash2"`) as a
     `DFlashDraftModel`. `num_target_layers` is the target's `config.num_hidden_layers` (speculators
     does not record it). What cannot be served raises a ValueError naming it (module docstring)."""
     folder = Path(path)
