@@ -69,6 +69,9 @@ def test_eval_suite_has_the_documented_sizes():
         "alpaca-eval": 805,
         "ifeval": 541,
         "arena-creative": 250,
+        "arena-hard": 500,
+        "ifbench": 300,
+        "writingbench": 1000,
     }
 
 

