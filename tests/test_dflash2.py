@@ -484,8 +484,8 @@ def test_a_speculators_dflash2_folder_loads_and_converts(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"selector_rank": None}, r"'dflash2' with DFlash2 fields .* lacks \['selector_rank'\]"),
-        ({"speculators_model_type": "dflash"}, r"'dflash' with DFlash2 fields"),
+        ({"selector_rank": None}, r"'dflash2' config that lacks \['selector_rank'\]"),
+        ({"speculators_model_type": "dflash"}, r"'dflash' config that has the DFlash2 fields \['conv_group_size'"),
         ({"speculators_model_type": "dspark"}, r"'dspark' checkpoint"),
     ],
     ids=["missing_field", "fields_on_dflash", "dspark"],

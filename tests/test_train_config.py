@@ -1,5 +1,6 @@
 """`hf-dflash train --config`: a YAML config trains, resumes, and saves a loadable drafter."""
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from huggingface_hub import ModelCard
 
 from hf_dflash.checkpoints import load_drafter
 from hf_dflash.data.tokenized import TokenizedDataset
+from hf_dflash.hub_cards import render_model_card
 from hf_dflash.targets import load_any_target
 from hf_dflash.trainer.train import load_train_config, train_from_config
 from tests.helpers.training import write_tokenized
@@ -169,6 +171,17 @@ def test_a_drafter_upgraded_to_dflash2_trains_its_selector(run_config, tmp_path)
     assert saved.candidate_selector.hidden_projection.weight.abs().sum() > 0  # moved off identity (0)
     assert any("selector_acc" in entry for entry in second.state.log_history)
     assert not any("selector_acc" in entry for entry in first.state.log_history)
+    # the record (and so the card) says which weights the run continued from
+    start = Path(first.args.output_dir)
+    record = json.loads((tmp_path / "dflash2" / "training_record.json").read_text())
+    assert record["init_from"] == {
+        "path": str(start),
+        "weights_sha256": hashlib.sha256((start / "model.safetensors").read_bytes()).hexdigest(),
+        "upgrade_to_dflash2": upgrade,
+    }
+    assert "init_from" not in json.loads((start / "training_record.json").read_text())
+    card = str(render_model_card(saved.config, target_id="t/t", training_record=record))
+    assert f"Continued from `{start}` (weights sha256 `{record['init_from']['weights_sha256']}`)" in card
 
 
 def test_all_problems_are_reported_at_once_and_the_cli_prints_no_traceback(run_config, tmp_path, capsys):

@@ -51,13 +51,9 @@ def is_speculators_config(config: dict) -> bool:
     return SPECULATORS_TYPE_FIELD in config
 
 
-def dflash_kwargs_from_speculators(config: dict, source: str, num_target_layers: int | None = None) -> dict:
-    """`DFlashConfig` keyword arguments from a speculators DFlash config dict.
-
-    `num_target_layers` (the target's decoder layers) is required unless the config states it:
-    speculators checkpoints name their verifier but not its depth. Raises a `ValueError` naming the
-    field for anything this drafter cannot serve (see the module docstring).
-    """
+def speculators_algorithm(config: dict, source: str) -> tuple[str, dict]:
+    """(speculators_model_type, the DFlash2 fields: {} for DFlash) of a speculators config; a ValueError for
+    another algorithm, or DFlash2 fields missing from a 'dflash2' config or present on a 'dflash' one."""
     algorithm = config.get(SPECULATORS_TYPE_FIELD)
     if algorithm == "dspark":
         raise ValueError(
@@ -68,13 +64,25 @@ def dflash_kwargs_from_speculators(config: dict, source: str, num_target_layers:
         raise ValueError(f"{source}: speculators_model_type {algorithm!r} is not a DFlash drafter.")
     dflash2 = {field: config.get(field) for field in DFLASH2_FIELDS} if algorithm == "dflash2" else {}
     missing = [field for field, value in dflash2.items() if value is None]
-    if missing or (algorithm == "dflash" and "conv_kernel_size" in config):
+    stray = sorted(set(DFLASH2_FIELDS) & set(config)) if algorithm == "dflash" else []
+    if missing or stray:
+        problem = f"lacks {missing}" if missing else f"has the DFlash2 fields {stray}"
         raise ValueError(
-            f"{source}: speculators_model_type {algorithm!r} with DFlash2 fields "
-            f"{sorted(set(DFLASH2_FIELDS) & set(config))} lacks {missing or list(DFLASH2_FIELDS)}: a DFlash2 "
-            "checkpoint says 'dflash2' and carries all four (conv_kernel_size, conv_group_size, selector_rank, "
-            "selector_top_k); fix the config."
+            f"{source}: a speculators_model_type {algorithm!r} config that {problem}: a DFlash2 checkpoint says "
+            "'dflash2' and carries all four (conv_kernel_size, conv_group_size, selector_rank, selector_top_k); "
+            "fix the config."
         )
+    return algorithm, dflash2
+
+
+def dflash_kwargs_from_speculators(config: dict, source: str, num_target_layers: int | None = None) -> dict:
+    """`DFlashConfig` keyword arguments from a speculators DFlash config dict.
+
+    `num_target_layers` (the target's decoder layers) is required unless the config states it:
+    speculators checkpoints name their verifier but not its depth. Raises a `ValueError` naming the
+    field for anything this drafter cannot serve (see the module docstring).
+    """
+    algorithm, dflash2 = speculators_algorithm(config, source)
     refusals = {
         "projector_type": ("dflash", "a Domino correction head runs after the drafter, which this drafter lacks"),
         "sample_from_anchor": (False, "slot 0 drafts a token too; this loop treats it as the known anchor"),

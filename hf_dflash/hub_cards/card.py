@@ -85,6 +85,7 @@ def _training_context(record: dict) -> dict:
         "time": _duration(record["training_time_s"]),
         "hardware": record.get("hardware"),
         "global_steps": record.get("global_steps"),
+        "init_from": record.get("init_from"),
         "sources": [(_cell(name), count) for name, count in sources.items()],
         "hyperparameters": [(_cell(k), _value(v)) for k, v in record["hyperparameters"].items()],
         "final_metrics": [(_cell(k), format_number(v)) for k, v in record.get("final_metrics", {}).items()],

@@ -107,6 +107,7 @@ class TrainingRecordCallback(TrainerCallback):
         datasets: Hub dataset ids for the card's `datasets` metadata (optional).
         hardware: free text, e.g. "1x NVIDIA H200" (optional).
         draft_vocab: the pruned draft vocabulary's `draft_vocab_report` (optional).
+        init_from: the drafter a continued run started from, `{path, weights_sha256, upgrade_to_dflash2}` (optional).
     """
 
     def __init__(
@@ -117,6 +118,7 @@ class TrainingRecordCallback(TrainerCallback):
         datasets: list[str] | None = None,
         hardware: str | None = None,
         draft_vocab: dict | None = None,
+        init_from: dict | None = None,
     ):
         optional = {
             "num_samples": num_samples,
@@ -124,6 +126,7 @@ class TrainingRecordCallback(TrainerCallback):
             "datasets": datasets,
             "hardware": hardware,
             "draft_vocab": draft_vocab,
+            "init_from": init_from,
         }
         self.fixed = {"data_sources": dict(data_sources), **{k: v for k, v in optional.items() if v is not None}}
         # Check the caller's part now, not after hours of training.

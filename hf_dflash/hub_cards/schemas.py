@@ -53,6 +53,7 @@ RECORD_OPTIONAL = {
     "final_metrics": dict,
     "draft_vocab": dict,  # trainer.draft_vocab.draft_vocab_report: size, coverage, sizes per coverage
     "derived_settings": dict,  # hf-dflash recipe: {name: {value, source ("derived"/"config"), reason}}
+    "init_from": dict,  # a continued run: {path, weights_sha256 (local folders), upgrade_to_dflash2 (if any)}
 }
 _JSON_TYPES = {str: "string", dict: "object", list: "array", int: "integer", float: "number", bool: "boolean"}
 

@@ -45,6 +45,7 @@ from ..folder_lock import LOCK_NAME, folder_lock
 from ..hub_cards import TrainingRecordCallback, record_data_from_prepare_data
 from ..json_files import write_json_atomic
 from ..modeling_dflash import DFlashConfig, DFlashDraftModel
+from ..packaged_files import file_sha256
 from ..targets import load_any_target
 from .arguments import DFlashTrainingArguments
 from .config_schema import validate_train_config
@@ -186,6 +187,21 @@ def output_dir_problem(output_dir: Path) -> str | None:
         "of other weights). Give a new or empty output_dir; to continue training this drafter, set "
         f"drafter.init_from: {output_dir} and a new output_dir."
     )
+
+
+def init_record(section: dict) -> dict | None:
+    """The training record's `init_from`: the folder a continued run starts from, its weights' sha256 (a local
+    folder with one `model.safetensors`) and the DFlash2 upgrade; None for a run from scratch."""
+    if not section.get("init_from"):
+        return None
+    path = Path(section["init_from"])
+    weights = path / "model.safetensors"
+    record = {"path": str(section["init_from"])}
+    if weights.is_file():
+        record["weights_sha256"] = file_sha256(weights)
+    if section.get("upgrade_to_dflash2") is not None:
+        record["upgrade_to_dflash2"] = dict(section["upgrade_to_dflash2"])
+    return record
 
 
 def build_drafter(section: dict, target, tokenizer, block_size: int) -> DFlashDraftModel:
@@ -338,6 +354,7 @@ def _train(config: dict, args: DFlashTrainingArguments, output_dir: Path, callba
             else training_data_record(Path(config["data"]["tokenized"]), len(train))
         ),
         **({"draft_vocab": draft_vocab} if draft_vocab else {}),
+        init_from=init_record(config.get("drafter") or {}),
     )
     trainer = DFlashTrainer(
         model, args, target=target, train_dataset=train, eval_dataset=evaluation, callbacks=[record, *(callbacks or [])]
