@@ -97,6 +97,24 @@ def tiny_target():
 
 
 @pytest.fixture
+def our_generator_in_transformers_loop(monkeypatch):
+    """Transformers' `_assisted_decoding` (speculation_type="dflash" routes there) with our candidate generator;
+    the generators made are collected in the returned list."""
+    from transformers.generation.utils import GenerationMixin
+
+    from hf_dflash import DFlashCandidateGenerator
+
+    made = []
+
+    def candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs, **kw):
+        made.append(DFlashCandidateGenerator(kw["assistant_model"], self, generation_config, logits_processor))
+        return made[-1]
+
+    monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", candidate_generator)
+    return made
+
+
+@pytest.fixture
 def run_config(tmp_path):
     target_dir = tmp_path / "target"
     make_target("llama").save_pretrained(target_dir)

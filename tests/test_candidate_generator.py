@@ -3,25 +3,9 @@ greedy output == plain greedy token for token (fp32), and it drafts what our loo
 
 import pytest
 import torch
-from transformers.generation.utils import GenerationMixin
 
-from hf_dflash import DFlashCandidateGenerator
 from tests.conftest import ARCHITECTURES, make_drafter, make_target
 from tests.helpers.generation import oracle_for, prompt
-
-
-@pytest.fixture
-def our_generator_in_transformers_loop(monkeypatch):
-    """Transformers' `_assisted_decoding` (speculation_type="dflash" routes there) with our adapter."""
-    made = []
-
-    def candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs, **kw):
-        generator = DFlashCandidateGenerator(kw["assistant_model"], self, generation_config, logits_processor)
-        made.append(generator)
-        return generator
-
-    monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", candidate_generator)
-    return made
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))

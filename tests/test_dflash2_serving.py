@@ -5,9 +5,8 @@ with our candidate generator), sampling follows the target's distribution (chi-s
 
 import pytest
 import torch
-from transformers.generation.utils import GenerationMixin
 
-from hf_dflash import DFlashCandidateGenerator, DFlashConfig, DFlashDraftModel
+from hf_dflash import DFlashConfig, DFlashDraftModel
 from hf_dflash.generation.selector import selector_chain, selector_drafts, selector_tree_children
 from hf_dflash.generation.strategies import ChainDrafting
 from hf_dflash.generation.tree import best_first_tree_by
@@ -145,19 +144,6 @@ def test_hybrid_drafting_matches_plain_greedy():
 def test_sampling_preserves_the_target_distribution():
     target = make_target("qwen3", seed=3)
     check_sampled_second_token(target, dflash2_drafter(target, block_size=4, seed=4), "DFlash2 generate(do_sample)")
-
-
-@pytest.fixture
-def our_generator_in_transformers_loop(monkeypatch):
-    """Transformers' `_assisted_decoding` (speculation_type="dflash" routes there) with our adapter."""
-    made = []
-
-    def candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs, **kw):
-        made.append(DFlashCandidateGenerator(kw["assistant_model"], self, generation_config, logits_processor))
-        return made[-1]
-
-    monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", candidate_generator)
-    return made
 
 
 def test_transformers_loop_greedy_and_sampling(our_generator_in_transformers_loop):
