@@ -32,6 +32,7 @@ from hf_dflash import AdaptiveBlockSize
 from hf_dflash.bench.loading import RANDOM_DRAFTER, load_bench_models, machine_description
 from hf_dflash.bench.prompts import EVAL_SETS, load_prompt_sets
 from hf_dflash.bench.runner import rotated
+from hf_dflash.data.regenerate import render_conversation
 from hf_dflash.generation.cost_timing import measured_cost_model
 from hf_dflash.targets import DEFAULT_TARGET
 
@@ -79,7 +80,7 @@ def prompt_batches(tokenizer, prompt_sets: dict, batch_size: int, device) -> lis
         for record in records:
             first_user = next(i for i, m in enumerate(record["messages"]) if m["role"] == "user")
             messages = record["messages"][: first_user + 1]
-            texts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+            texts.append(render_conversation(tokenizer, messages, add_generation_prompt=True))  # base models too
             ids.append(record["id"])
         for start in range(0, len(texts), batch_size):
             inputs = tokenizer(
