@@ -41,9 +41,10 @@ def choose_compile(setting: str, device: torch.device | str) -> tuple[bool, str]
 
     `auto` follows Transformers' own default: compiled on accelerators (CUDA graphs remove the launch and
     Python overhead of a round's small kernels), eager on CPU, where each static cache length first costs
-    35-48 s of compile (2-core Zen 4/5), and eager rounds run their linear layers packed where that pays
-    (fp32; compiled ones cannot): measured on a 2-core Zen 5 in fp32, eager DFlash 1.43x the fastest plain,
-    compiled 1.00x; in bf16 (Zen 4, the v5 bench) compiled was worth 1.14x over long runs (docs/results.md)."""
+    30-48 s of compile (2-core Zen 4/5, Xeon with AMX) that a short run never repays, and eager rounds run their
+    linear layers packed where that pays (fp32; compiled ones cannot). Measured (docs/results.md): Zen 5 fp32,
+    eager DFlash 1.43x the fastest plain, compiled 1.00x; Zen 4 bf16, compiled worth 1.14x over long runs; Xeon
+    AMX bf16, compiled rounds 1.06-1.26x faster than eager but 45 s of compile, repaid after ~4,000 tokens."""
     if setting not in COMPILE_SETTINGS:
         raise ValueError(f"--compile must be one of {', '.join(COMPILE_SETTINGS)}, got {setting!r}.")
     device_type = torch.device(device).type
@@ -51,7 +52,7 @@ def choose_compile(setting: str, device: torch.device | str) -> tuple[bool, str]
         if device_type == "cpu":
             return (
                 False,
-                "auto: eager on CPU (packed fp32 layers beat compiled rounds; each cache length compiles ~40 s)",
+                "auto: eager on CPU (each cache length compiles 30-48 s, repaid only over thousands of tokens; 'on' for long runs)",
             )
         return True, f"auto: compiled on {device_type} (static cache, CUDA graphs)"
     return setting == "on", setting
