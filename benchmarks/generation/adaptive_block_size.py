@@ -7,9 +7,11 @@ drift hits all of them alike (`hf_dflash.bench.runner.rotated`):
     k=4, k=8   drafter.block_size_policy = k         (each --block-sizes value below B)
     k=B        the drafter's trained block size (the default policy)
     adaptive   drafter.block_size_policy = AdaptiveBlockSize()   (cost model timed once, cached)
+    adaptive-noprobe   the same without the timed plain step (`probe_plain_below=0`; with --plain-probe-ab)
 
 Prompts: the first user turn of `--num-prompts` records of each `--sets` evaluation set
-(`hf_dflash.bench.prompts`). Prints tokens/s, τ (tokens committed per round), the mean block length,
+(`hf_dflash.bench.prompts`), or the three prompts of `hf-dflash demo` (`--demo-prompts`); `--repeats` runs
+them that many times. Prints tokens/s, τ (tokens committed per round), the mean block length,
 the speed-up over plain and whether every output equals plain greedy; writes all of it as JSON.
 In bf16 a k-token verification may round a near-tie differently from one-token plain decoding, so a
 "NO" there is not necessarily a bug: `--dtype float32` must give "yes" everywhere.
@@ -17,6 +19,8 @@ In bf16 a k-token verification may round a near-tie differently from one-token p
     python benchmarks/generation/adaptive_block_size.py --drafter out/drafter
     python benchmarks/generation/adaptive_block_size.py --drafter out/drafter --batch-size 4 --out out/adaptive_b4.json
     python benchmarks/generation/adaptive_block_size.py --drafter random --sets gsm8k --num-prompts 1 --max-new-tokens 16
+    python benchmarks/generation/adaptive_block_size.py --drafter models/smollm2-135m-instruct-dflash --demo-prompts \
+        --block-sizes --plain-probe-ab --max-new-tokens 128 --repeats 3      # the demo's prompts, probe on / off
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from hf_dflash.bench.loading import RANDOM_DRAFTER, load_bench_models, machine_d
 from hf_dflash.bench.prompts import EVAL_SETS, load_prompt_sets
 from hf_dflash.bench.runner import rotated
 from hf_dflash.data.regenerate import render_conversation
+from hf_dflash.demo import DEMO_PROMPTS
 from hf_dflash.generation.cost_timing import measured_cost_model
 from hf_dflash.targets import DEFAULT_TARGET
 
@@ -46,7 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sets", nargs="+", default=["gsm8k", "humaneval", "mt-bench"], choices=list(EVAL_SETS))
     parser.add_argument("--num-prompts", type=int, default=4, help="prompts per set")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--block-sizes", type=int, nargs="+", default=[4, 8], help="fixed k besides the trained B")
+    parser.add_argument("--demo-prompts", action="store_true", help="the prompts of `hf-dflash demo` (not --sets)")
+    parser.add_argument("--repeats", type=int, default=1, help="run every prompt this many times")
+    parser.add_argument("--plain-probe-ab", action="store_true", help="also adaptive without its timed plain step")
+    parser.add_argument("--block-sizes", type=int, nargs="*", default=[4, 8], help="fixed k besides the trained B")
     parser.add_argument("--batch-size", type=int, default=1, help="> 1: left-padded batches (batched DFlash)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default=None, help="default: CUDA when available, else CPU")
@@ -58,16 +66,27 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--drafter {args.drafter!r} is not a folder; pass a trained drafter folder, or 'random'.")
     if args.batch_size < 1:
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}.")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}.")
     return args
 
 
-def policies(block_sizes: list[int], trained: int, cost_cache_dir) -> dict:
+def policies(block_sizes: list[int], trained: int, cost_cache_dir, plain_probe_ab: bool = False) -> dict:
     """method name -> `drafter.block_size_policy` (None for plain decoding)."""
     wrong = [k for k in block_sizes if not 1 <= k <= trained]
     if wrong:
         raise SystemExit(f"--block-sizes {wrong} outside 1..{trained} (the drafter's block size).")
     fixed = {f"k={k}": k for k in sorted(set(block_sizes) - {trained})}
-    return {"plain": None, **fixed, f"k={trained}": trained, "adaptive": AdaptiveBlockSize(cache_dir=cost_cache_dir)}
+    methods = {"plain": None, **fixed, f"k={trained}": trained, "adaptive": AdaptiveBlockSize(cache_dir=cost_cache_dir)}
+    if plain_probe_ab:
+        methods["adaptive-noprobe"] = AdaptiveBlockSize(cache_dir=cost_cache_dir, probe_plain_below=0)
+    return methods
+
+
+def demo_prompt_sets() -> dict:
+    """{"demo": records} of the three prompts `hf-dflash demo` answers."""
+    records = [{"id": name, "messages": [{"role": "user", "content": text}]} for name, text in DEMO_PROMPTS.items()]
+    return {"demo": records}
 
 
 def prompt_batches(tokenizer, prompt_sets: dict, batch_size: int, device) -> list[tuple[str, list[str], dict]]:
@@ -131,13 +150,13 @@ def summarize(samples: list[dict], methods: list[str]) -> dict:
 
 
 def print_table(summary: dict) -> None:
-    print(f"{'method':10s} {'tok/s':>8s} {'tau':>6s} {'mean k':>7s} {'speedup':>8s}  identical")
+    print(f"{'method':16s} {'tok/s':>8s} {'tau':>6s} {'mean k':>7s} {'speedup':>8s}  identical")
     for method, v in summary.items():
         tau = f"{v['tau']:.2f}" if v["tau"] is not None else "-"
         mean_k = f"{v['mean_block_size']:.1f}" if v["mean_block_size"] is not None else "-"
         speedup = f"{v['speedup']:.2f}x" if v["speedup"] is not None else "-"
         identical = "-" if v["identical"] is None else ("yes" if v["identical"] else "NO")
-        print(f"{method:10s} {v['tok_s']:8.1f} {tau:>6s} {mean_k:>7s} {speedup:>8s}  {identical}")
+        print(f"{method:16s} {v['tok_s']:8.1f} {tau:>6s} {mean_k:>7s} {speedup:>8s}  {identical}")
 
 
 @torch.no_grad()
@@ -145,10 +164,13 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     models = load_bench_models(args.target, args.drafter, dtype=args.dtype, device=args.device, seed=args.seed)
     target, tokenizer, drafter = models.target, models.tokenizer, models.drafter
-    methods = policies(args.block_sizes, drafter.config.block_size, args.cost_cache_dir)
+    methods = policies(args.block_sizes, drafter.config.block_size, args.cost_cache_dir, args.plain_probe_ab)
     names = list(methods)
-    prompt_sets = load_prompt_sets(args.sets, num_prompts=args.num_prompts, seed=args.seed)
-    batches = prompt_batches(tokenizer, prompt_sets, args.batch_size, target.device)
+    if args.demo_prompts:
+        prompt_sets = demo_prompt_sets()
+    else:
+        prompt_sets = load_prompt_sets(args.sets, num_prompts=args.num_prompts, seed=args.seed)
+    batches = prompt_batches(tokenizer, prompt_sets, args.batch_size, target.device) * args.repeats
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     settings = {"do_sample": False, "max_new_tokens": args.max_new_tokens, "pad_token_id": pad_token_id}
 
@@ -186,6 +208,11 @@ def main(argv=None) -> dict:
     summary = summarize(samples, names)
     print(f"\n{models.drafter_description}; {machine_description(target.device)}; batch size {args.batch_size}")
     print_table(summary)
+    prompt_ids = sorted({i for s in samples for i in s["prompt_ids"]}) if args.demo_prompts else []
+    per_prompt = {i: summarize([s for s in samples if i in s["prompt_ids"]], names) for i in prompt_ids}
+    for prompt_id, prompt_summary in per_prompt.items():
+        print(f"\n{prompt_id}:")
+        print_table(prompt_summary)
     report = {
         "settings": {k: v for k, v in vars(args).items()},
         "machine": machine_description(target.device),
@@ -194,6 +221,7 @@ def main(argv=None) -> dict:
         "cost_model": cost_model.to_dict(),
         "summary": summary,
         "sets": {name: summarize([s for s in samples if s["set"] == name], names) for name in prompt_sets},
+        "prompts": per_prompt,
         "samples": samples,
     }
     out = Path(args.out)
