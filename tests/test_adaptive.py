@@ -559,56 +559,6 @@ def test_calibrated_seconds_substitute_measured_rounds_and_scale_the_drafting_on
     assert calibrated_seconds(modelled, {1: 3.0, 2: 6.0, 4: 4.0}).tolist() == [3.0, 6.0, 6.0, 4.0]  # ratio (3 + 1) / 2
 
 
-def run_timed_controller(monkeypatch, cost, drafting_seconds, plain_seconds, accepted, rounds=12):
-    """The block lengths a calibrating controller chooses when a drafting round takes `drafting_seconds`, a plain
-    step `plain_seconds` (a fake clock) and each drafting round has `accepted` drafts accepted."""
-    import hf_dflash.generation.adaptive as adaptive
-
-    controller = adaptive.AdaptiveController(adaptive.AdaptiveBlockSize(), 4, 1, cost, calibrate=True)
-    now = [0.0]
-
-    def clock():
-        if controller.pending is not None:
-            now[0] += drafting_seconds if controller.pending[1] > 1 else plain_seconds
-        return now[0]
-
-    monkeypatch.setattr(adaptive.time, "perf_counter", clock)
-    chosen = []
-    for _ in range(rounds):
-        chosen.append(controller.choose([0]))
-        drafts = chosen[-1] - 1
-        controller.observe([0], drafts, torch.tensor([min(accepted, drafts)]))
-    return chosen, controller
-
-
-def test_a_plain_step_is_timed_once_when_drafting_is_a_close_call(monkeypatch):
-    # the model says a plain step costs 2 s and drafting 3 s, but this machine runs both faster than modelled,
-    # plain steps most (the demo's chat prompt on a Xeon: modelled 70 ms, timed 44): with one draft accepted
-    # per round the timed drafting rounds look better than the untimed plain step, so one plain step is timed
-    cost = CostModel.from_function(lambda k: 2.0 if k == 1 else 3.0, 4)
-    chosen, controller = run_timed_controller(monkeypatch, cost, drafting_seconds=2.0, plain_seconds=0.6, accepted=1)
-    assert chosen[0] == 4 and 1 in chosen[:4]  # the probe comes as soon as a drafting round was timed
-    assert controller.measured[1][1] == pytest.approx(0.6)
-    assert chosen[-6:].count(1) >= 5  # 2 tokens per 2 s lose to 1 token per 0.6 s (a block is retried now and then)
-
-
-def test_no_plain_step_is_timed_while_drafting_clearly_pays(monkeypatch):
-    cost = CostModel.from_function(lambda k: 2.0 if k == 1 else 3.0, 4)
-    chosen, controller = run_timed_controller(monkeypatch, cost, drafting_seconds=2.0, plain_seconds=0.6, accepted=3)
-    assert 1 not in chosen and 1 not in controller.measured[1]  # 4 tokens a round: no probe costs a round
-
-
-def test_plain_step_probe_can_be_turned_off_and_is_validated(monkeypatch):
-    import hf_dflash.generation.adaptive as adaptive
-
-    cost = CostModel.from_function(lambda k: 2.0 if k == 1 else 3.0, 4)
-    monkeypatch.setattr(adaptive, "AdaptiveBlockSize", lambda: AdaptiveBlockSize(probe_plain_below=0))
-    chosen, controller = run_timed_controller(monkeypatch, cost, drafting_seconds=2.0, plain_seconds=0.6, accepted=1)
-    assert 1 not in chosen  # without the probe the stale model's plain step (2 s) never looks worth trying
-    with pytest.raises(ValueError, match="probe_plain_below is a token count >= 0"):
-        AdaptiveBlockSize(probe_plain_below=-1)
-
-
 def test_timed_rounds_fall_back_to_plain_steps_where_drafting_does_not_pay(monkeypatch):
     import hf_dflash.generation.adaptive as adaptive
 

@@ -7,7 +7,6 @@ drift hits all of them alike (`hf_dflash.bench.runner.rotated`):
     k=4, k=8   drafter.block_size_policy = k         (each --block-sizes value below B)
     k=B        the drafter's trained block size (the default policy)
     adaptive   drafter.block_size_policy = AdaptiveBlockSize()   (cost model timed once, cached)
-    adaptive-noprobe   the same without the timed plain step (`probe_plain_below=0`; with --plain-probe-ab)
 
 Prompts: the first user turn of `--num-prompts` records of each `--sets` evaluation set
 (`hf_dflash.bench.prompts`), or the three prompts of `hf-dflash demo` (`--demo-prompts`); `--repeats` runs
@@ -20,7 +19,7 @@ In bf16 a k-token verification may round a near-tie differently from one-token p
     python benchmarks/generation/adaptive_block_size.py --drafter out/drafter --batch-size 4 --out out/adaptive_b4.json
     python benchmarks/generation/adaptive_block_size.py --drafter random --sets gsm8k --num-prompts 1 --max-new-tokens 16
     python benchmarks/generation/adaptive_block_size.py --drafter models/smollm2-135m-instruct-dflash --demo-prompts \
-        --block-sizes --plain-probe-ab --max-new-tokens 128 --repeats 3      # the demo's prompts, probe on / off
+        --block-sizes --max-new-tokens 128 --repeats 3      # the demo's prompts, 3 times: plain, k=B, adaptive
 """
 
 from __future__ import annotations
@@ -53,7 +52,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--demo-prompts", action="store_true", help="the prompts of `hf-dflash demo` (not --sets)")
     parser.add_argument("--repeats", type=int, default=1, help="run every prompt this many times")
-    parser.add_argument("--plain-probe-ab", action="store_true", help="also adaptive without its timed plain step")
     parser.add_argument("--block-sizes", type=int, nargs="*", default=[4, 8], help="fixed k besides the trained B")
     parser.add_argument("--batch-size", type=int, default=1, help="> 1: left-padded batches (batched DFlash)")
     parser.add_argument("--dtype", default="bfloat16")
@@ -71,16 +69,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def policies(block_sizes: list[int], trained: int, cost_cache_dir, plain_probe_ab: bool = False) -> dict:
+def policies(block_sizes: list[int], trained: int, cost_cache_dir) -> dict:
     """method name -> `drafter.block_size_policy` (None for plain decoding)."""
     wrong = [k for k in block_sizes if not 1 <= k <= trained]
     if wrong:
         raise SystemExit(f"--block-sizes {wrong} outside 1..{trained} (the drafter's block size).")
     fixed = {f"k={k}": k for k in sorted(set(block_sizes) - {trained})}
-    methods = {"plain": None, **fixed, f"k={trained}": trained, "adaptive": AdaptiveBlockSize(cache_dir=cost_cache_dir)}
-    if plain_probe_ab:
-        methods["adaptive-noprobe"] = AdaptiveBlockSize(cache_dir=cost_cache_dir, probe_plain_below=0)
-    return methods
+    return {"plain": None, **fixed, f"k={trained}": trained, "adaptive": AdaptiveBlockSize(cache_dir=cost_cache_dir)}
 
 
 def demo_prompt_sets() -> dict:
@@ -164,7 +159,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     models = load_bench_models(args.target, args.drafter, dtype=args.dtype, device=args.device, seed=args.seed)
     target, tokenizer, drafter = models.target, models.tokenizer, models.drafter
-    methods = policies(args.block_sizes, drafter.config.block_size, args.cost_cache_dir, args.plain_probe_ab)
+    methods = policies(args.block_sizes, drafter.config.block_size, args.cost_cache_dir)
     names = list(methods)
     if args.demo_prompts:
         prompt_sets = demo_prompt_sets()

@@ -36,9 +36,6 @@ from .cost_timing import measured_cost_model
 
 POLICY_ATTRIBUTE = "block_size_policy"  # the drafter attribute `generate` reads
 ROUND_TIME_DECAY = 0.8  # weight a k's timed rounds keep when another comes (timing noise vs a changing context)
-# A drafting round costs 1.2-2.2 plain steps on the CPUs measured, so below this many expected tokens a round
-# may lose to plain decoding: a calibrating call then times one plain step (k = 1) instead of trusting the model
-PROBE_PLAIN_BELOW_TOKENS = 2.5
 
 
 # --- acceptance estimates (pure) ---
@@ -168,17 +165,14 @@ class AdaptiveBlockSize:
         blocks; later drafts start from the estimate of the draft before them);
     prior_weight: how many trials the prior is worth;
     cost_model: seconds per round; None measures it once per model pair and machine, cached in
-    `cache_dir` (default: the hf_dflash cache directory, `$HF_DFLASH_CACHE`) under `cost_models/`;
-    probe_plain_below: with a measured cost model, a round expected to commit fewer tokens than this gives way
-    once to a timed plain step (`AdaptiveController.should_time_a_plain_step`); 0 never probes.
+    `cache_dir` (default: the hf_dflash cache directory, `$HF_DFLASH_CACHE`) under `cost_models/`.
 
     A measured cost model is then corrected by the call's own rounds (`calibrated_seconds`): each round is timed
     from one choice to the next, so what the model leaves out (the loop's glue, logits processing, a shorter
     context, another dtype's kernels) is priced in, and where drafting does not pay for this prompt on this
     machine the rounds fall back to k = 1 (plain decoding steps) until the acceptance estimates, decaying back
     to the prior, try a block again. (Measured, bf16 on a 2-core Zen 5, the demo's chat prompt: the model priced
-    a 3-token round at 28 ms where it took 42, and a plain step at 23, so DFlash ran at 0.70x plain.) A plain step
-    is timed too, once, when a round is expected to commit few tokens (`should_time_a_plain_step`). A cost model
+    a 3-token round at 28 ms where it took 42, and a plain step at 23, so DFlash ran at 0.70x plain.) A cost model
     passed in is used as given.
     """
 
@@ -187,7 +181,6 @@ class AdaptiveBlockSize:
     prior_weight: float = 1.0
     cost_model: CostModel | None = None
     cache_dir: str | Path | None = None
-    probe_plain_below: float = PROBE_PLAIN_BELOW_TOKENS
 
     def __post_init__(self):
         if not 0 < self.decay <= 1:
@@ -196,11 +189,6 @@ class AdaptiveBlockSize:
             raise ValueError(f"AdaptiveBlockSize.prior is a probability in [0, 1], got {self.prior!r}.")
         if not self.prior_weight > 0:
             raise ValueError(f"AdaptiveBlockSize.prior_weight must be > 0, got {self.prior_weight!r}.")
-        if not self.probe_plain_below >= 0:
-            raise ValueError(
-                f"AdaptiveBlockSize.probe_plain_below is a token count >= 0 (0: never probe), got "
-                f"{self.probe_plain_below!r}."
-            )
 
     def start(
         self, target: PreTrainedModel, drafter: DFlashDraftModel, batch_size: int, fixed_verification: bool = False
@@ -250,27 +238,9 @@ class AdaptiveController:
         p = acceptance_probabilities(
             self.successes[index], self.trials[index], self.policy.prior, self.policy.prior_weight
         )
-        expected = expected_tokens(p)
-        k = best_block_size(expected, seconds)
-        if self.should_time_a_plain_step(len(rows), k, expected):
-            k = 1
+        k = best_block_size(expected_tokens(p), seconds)
         self.pending = (len(rows), k, now)
         return k
-
-    def should_time_a_plain_step(self, rows: int, k: int, expected: torch.Tensor) -> bool:
-        """Whether a drafting round of length k (expected (R, B) tokens) should give way to one timed plain step:
-        when calibrating, once drafting rounds but no plain step of this row count were timed and a round is
-        expected to commit fewer than `policy.probe_plain_below` tokens per row. The model's plain step may be off
-        by another factor than its drafting rounds (the demo's chat prompt, bf16 on a 2-core Xeon: a plain step
-        modelled at 70 ms took 44, a drafting round 60 against 95), so a close call is decided on measured times."""
-        measured = self.measured.get(rows, {})
-        return (
-            self.calibrate
-            and k > 1
-            and 1 not in measured
-            and any(length > 1 for length in measured)
-            and float(expected[:, k - 1].mean()) < self.policy.probe_plain_below
-        )
 
     def time_round(self, rows: int, k: int, seconds: float) -> None:
         """A round of `rows` rows at block length k took `seconds` (a running average per k, recent rounds first)."""
