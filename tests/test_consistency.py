@@ -39,6 +39,27 @@ def test_served_walk_equals_generate_round_for_round(arch, block_size):
     assert 1 < estimate.served_tau and estimate.uniform_tau != estimate.served_tau
 
 
+@pytest.mark.parametrize("served_tokens", [2, 13, 20])
+def test_a_reply_cut_to_n_tokens_walks_as_generate_with_max_new_tokens_n(served_tokens):
+    """max_reply_tokens = N: the estimate's rounds on a 40-token reply equal generate(max_new_tokens=N)'s."""
+    target = make_target("llama")
+    prompt = torch.tensor([[5, 17, 33, 9, 71, 12]])
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=40, eos_token_id=None)
+    believed = plain.clone()
+    for position in (9, 10, 17, 25, 33):
+        believed[0, position] = (believed[0, position] + 1) % 128
+    drafter = OracleDrafter(make_drafter(target, block_size=4).config, target.lm_head.weight, believed).eval()
+    target.generate(prompt, do_sample=False, max_new_tokens=served_tokens, eos_token_id=None, assistant_model=drafter)
+    served_rounds = drafter.last_acceptance.acceptance_lengths
+    sample = {"input_ids": plain[0].tolist(), "loss_mask": [0] * prompt.shape[1] + [1] * 40}
+    estimate = served_tau_estimate(drafter, target, [sample], anchors_per_forward=7, max_reply_tokens=served_tokens)
+    assert estimate.rounds == served_rounds and sum(estimate.rounds) == served_tokens - 1
+    whole = served_tau_estimate(drafter, target, [sample], anchors_per_forward=7)
+    assert whole.rounds[: len(served_rounds) - 1] == served_rounds[:-1]  # the same walk, cut short
+    with pytest.raises(ValueError, match="max_reply_tokens=1"):
+        served_tau_estimate(drafter, target, [sample], max_reply_tokens=1)
+
+
 @pytest.mark.parametrize("scale", [0.0, 0.3])
 def test_a_dflash2_estimate_walks_the_selector_as_generate_does(scale):
     """An oracle drafter with a DFlash2 selector (identity, or re-ranking its top-4): estimated rounds ==

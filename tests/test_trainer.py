@@ -157,7 +157,29 @@ def test_arguments_validate():
         DFlashTrainingArguments(output_dir="x", position_weighting="dpace", loss_type="kl", report_to=[])
     with pytest.raises(ValueError, match="dpace_alpha"):
         DFlashTrainingArguments(output_dir="x", position_weighting="dpace", dpace_alpha=0, report_to=[])
+    with pytest.raises(ValueError, match="anchor_decay_tokens"):
+        DFlashTrainingArguments(output_dir="x", anchor_decay_tokens=-1, report_to=[])
     assert DFlashTrainingArguments(output_dir="x", block_size=10, report_to=[]).loss_decay_gamma == 5.0
+
+
+def test_anchor_decay_tokens_reaches_the_collator_and_tilts_the_anchors(tmp_path):
+    """The trainer's collator draws anchors with the argument's weighting: more early anchors."""
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=BLOCK)
+    data = samples(count=4, length=200)
+    early = {}
+    for decay in (0.0, 4.0):
+        args = arguments(tmp_path / str(decay), max_steps=1, num_anchors=8, anchor_decay_tokens=decay)
+        trainer = DFlashTrainer(drafter, args, target=target, train_dataset=data)
+        assert trainer.data_collator.anchor_decay_tokens == decay
+        torch.manual_seed(0)
+        batches = [trainer.data_collator(data) for _ in range(20)]
+        offsets = [
+            (batch["anchor_positions"] - batch["loss_mask"].argmax(-1, keepdim=True))[batch["anchor_valid"]]
+            for batch in batches
+        ]
+        early[decay] = torch.cat(offsets).float().mean().item()
+    assert early[4.0] < 0.6 * early[0.0]  # uniform ~93 tokens into a 194-token reply; weighted ~45
 
 
 def test_mismatched_target_is_refused(tmp_path):

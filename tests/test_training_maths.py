@@ -11,6 +11,7 @@ from hf_dflash.trainer import (
     build_training_mask,
     decay_weights,
     default_decay_gamma,
+    reply_offsets,
     select_anchors,
 )
 from hf_dflash.trainer.maths import acceptance_estimate
@@ -41,6 +42,48 @@ def test_anchors_obey_the_rules_and_are_redrawn():
     assert len(draws) > 1  # re-drawn: different anchors across steps
     positions, valid = select_anchors(loss_mask, 512)
     assert positions[0][valid[0]].tolist() == [2, 3, 6, 7, 8]  # capped at the candidates
+
+
+def test_reply_offsets_restart_in_every_reply():
+    loss_mask = torch.tensor([[0, 1, 1, 1, 0, 0, 1, 1], [1, 1, 0, 1, 0, 0, 0, 0]])
+    assert reply_offsets(loss_mask).tolist() == [[0, 0, 1, 2, 0, 0, 0, 1], [0, 1, 0, 0, 0, 0, 0, 0]]
+
+
+def test_weighted_anchors_obey_the_rules():
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1, 1, 1], [0, 1, 1, 0, 0, 0, 0, 0, 0, 0]])
+    allowed = [{2, 3, 6, 7, 8}, {1}]
+    for seed in range(20):
+        positions, valid = select_anchors(loss_mask, 3, torch.Generator().manual_seed(seed), decay_tokens=2.0)
+        for row in range(2):
+            chosen = positions[row][valid[row]].tolist()
+            assert set(chosen) <= allowed[row] and len(set(chosen)) == len(chosen) and chosen == sorted(chosen)
+        assert valid[0].all() and valid[1].tolist() == [True, False, False]
+    positions, valid = select_anchors(loss_mask, 512, decay_tokens=2.0)
+    assert positions[0][valid[0]].tolist() == [2, 3, 6, 7, 8]  # capped at the candidates, none lost to underflow
+
+
+def test_uniform_anchors_are_unchanged_by_the_weighting_code():
+    loss_mask = (torch.rand(3, 300, generator=torch.Generator().manual_seed(0)) > 0.2).long()
+    for seed in range(5):
+        default = select_anchors(loss_mask, 16, torch.Generator().manual_seed(seed))
+        zero = select_anchors(loss_mask, 16, torch.Generator().manual_seed(seed), decay_tokens=0)
+        assert all(torch.equal(a, b) for a, b in zip(default, zero))
+
+
+def test_one_weighted_anchor_is_drawn_with_probability_proportional_to_its_weight():
+    # a 41-token reply: candidates are offsets 0..39, weight 1 / (1 + d / 4)
+    loss_mask = torch.tensor([[0] * 5 + [1] * 41])
+    weights = 1.0 / (1.0 + torch.arange(40).float() / 4.0)
+    expected = weights / weights.sum()
+    draws = 20_000
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros(40)
+    for _ in range(draws // 500):  # 500 independent rows per call
+        positions, _ = select_anchors(loss_mask.expand(500, -1), 1, generator, decay_tokens=4.0)
+        counts += torch.bincount(positions[:, 0] - 5, minlength=40).float()
+    chi2 = (((counts - draws * expected) ** 2) / (draws * expected)).sum().item()
+    assert chi2 < 72.4  # chi-square, 39 degrees of freedom: p = 0.001
+    assert counts[:10].sum() > 2 * counts[30:].sum()  # and the start of the reply dominates
 
 
 def example_blocks(block_size=4, mask_token_id=9):

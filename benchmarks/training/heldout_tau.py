@@ -9,6 +9,9 @@ does not move when more data is packed; without it, the last `--samples` chats).
     python benchmarks/training/heldout_tau.py models/smollm2-135m-instruct-dflash out/run/drafters/L3-bf16 \\
         --data data/smollm2-135m-instruct --eval-part regen-bf16-part2 --samples 64
 
+With `--reply-tokens 128` each reply is scored over its first 128 tokens only, as `generate(max_new_tokens=128)`
+serves it: the figure to set beside a 128-token bench (τ is lowest at the start of a reply).
+
 Per data source (the sample id's prefix: gsm8k, sharegpt, ...) it prints the served-walk τ too, the table
 that shows the weakest domain. With `--tree-budgets 8,16,32,64` it also scores draft trees (`served_tree_tau_estimates`): the τ greedy
 verification of the drafter's best-first tree of N nodes would serve, beside the chain's, before any
@@ -34,6 +37,12 @@ def main() -> None:
     parser.add_argument("--data", default="data/smollm2-135m-instruct", help="packed folder (default: %(default)s)")
     parser.add_argument("--eval-part", default=None, help="hold out the first --samples chats of this part")
     parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument(
+        "--reply-tokens",
+        type=int,
+        default=None,
+        help="score each reply's first N tokens only, as generate(max_new_tokens=N) serves them (default: whole)",
+    )
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="auto", help="target and drafter dtype (default: auto)")
     parser.add_argument("--threads", type=int, default=None)
@@ -46,6 +55,10 @@ def main() -> None:
         parser.error(
             f"--tree-budgets must be positive node counts and --top-k >= 1, got {args.tree_budgets!r}, {args.top_k}."
         )
+    if args.reply_tokens is not None and args.reply_tokens < 2:
+        parser.error(f"--reply-tokens must be >= 2 (tokens served per reply), got {args.reply_tokens}.")
+    if budgets and args.reply_tokens is not None:
+        parser.error("--reply-tokens scores the chain only; drop --tree-budgets or --reply-tokens.")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
@@ -54,7 +67,7 @@ def main() -> None:
     rows = []
     for path in args.drafters:
         drafter = load_drafter(path).to(target.dtype).eval()
-        row = heldout_tau_row(drafter, target, held_out)
+        row = heldout_tau_row(drafter, target, held_out, max_reply_tokens=args.reply_tokens)
         rows.append(
             {
                 "drafter": path,

@@ -28,6 +28,7 @@ RECORDED_ARGUMENTS = (
     "block_size",
     "num_anchors",
     "loss_decay_gamma",
+    "anchor_decay_tokens",
     "feature_mode",
     "learning_rate",
     "lr_scheduler_type",

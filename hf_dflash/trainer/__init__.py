@@ -10,6 +10,7 @@ from .maths import (
     build_training_mask,
     decay_weights,
     default_decay_gamma,
+    reply_offsets,
     select_anchors,
     weighted_cross_entropy_sum,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "decay_weights",
     "default_decay_gamma",
     "dflash_training_forward",
+    "reply_offsets",
     "select_anchors",
     "target_fingerprint",
     "weighted_cross_entropy_sum",

@@ -23,6 +23,14 @@ class DFlashTrainingArguments(TrainingArguments):
     num_anchors: int = field(
         default=512, metadata={"help": "Anchors (blocks) drawn per sequence each step, without replacement."}
     )
+    anchor_decay_tokens: float = field(
+        default=0.0,
+        metadata={
+            "help": "0: anchors drawn uniformly over the replies (the paper). N > 0: a position d tokens into its "
+            "reply is drawn with weight 1 / (1 + d / N), so the first tokens of each reply, where serving's "
+            "first rounds run with the least context, get more anchors."
+        },
+    )
     loss_decay_gamma: float | None = field(
         default=None,
         metadata={
@@ -97,6 +105,10 @@ class DFlashTrainingArguments(TrainingArguments):
             raise ValueError(f"num_anchors must be >= 1, got {self.num_anchors}.")
         if self.feature_mode not in FEATURE_MODES:
             raise ValueError(f"feature_mode must be one of {FEATURE_MODES}, got {self.feature_mode!r}.")
+        if not self.anchor_decay_tokens >= 0:
+            raise ValueError(
+                f"anchor_decay_tokens must be >= 0 (0 = uniform anchors), got {self.anchor_decay_tokens!r}."
+            )
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}.")
         if self.position_weighting not in POSITION_WEIGHTINGS:

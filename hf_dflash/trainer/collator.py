@@ -22,6 +22,7 @@ class DFlashDataCollator:
     mask_token_id: int
     gamma: float
     pad_token_id: int = 0
+    anchor_decay_tokens: float = 0.0  # `select_anchors`' decay_tokens: 0 draws anchors uniformly
     generator: torch.Generator | None = None
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
@@ -34,7 +35,9 @@ class DFlashDataCollator:
             input_ids[row, :length] = torch.as_tensor(sample["input_ids"])
             loss_mask[row, :length] = torch.as_tensor(sample["loss_mask"])
             attention_mask[row, :length] = 1
-        anchor_positions, anchor_valid = select_anchors(loss_mask, self.num_anchors, self.generator)
+        anchor_positions, anchor_valid = select_anchors(
+            loss_mask, self.num_anchors, self.generator, self.anchor_decay_tokens
+        )
         batch = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,

@@ -23,7 +23,7 @@ from ..generation.selector import selector_chain, selector_tree_children
 from ..generation.tree import accepted_path, best_first_tree, best_first_tree_by
 from ..target_features import compute_target_features
 from .forward import dflash_training_forward
-from .maths import build_blocks
+from .maths import build_blocks, reply_offsets
 
 __all__ = [
     "ServedTauEstimate",
@@ -85,13 +85,15 @@ def served_tau_estimate(
     target,
     samples: list[dict],
     anchors_per_forward: int = 64,
+    max_reply_tokens: int | None = None,
 ) -> ServedTauEstimate:
     """Estimate the served τ of `drafter` on `samples` (`{"input_ids", "loss_mask"[, "target_hidden_states"]}`).
 
     One target forward per sample gives the features (or the cached ones are used); the drafter then runs
     the packed training forward with an anchor at EVERY reply position (in chunks of `anchors_per_forward`
     to bound memory), and the greedy drafts (`served_drafts`: argmax, or a DFlash2 drafter's selector walk) are
-    compared with the data tokens (the target's own greedy reply).
+    compared with the data tokens (the target's own greedy reply). `max_reply_tokens` = N: each reply as
+    `generate(max_new_tokens=N)` serves it, its first N tokens (τ over the start of replies, where it is lowest).
     """
     lm_head = target.get_output_embeddings()
     block_size = drafter.config.block_size
@@ -101,7 +103,7 @@ def served_tau_estimate(
         correct = (drafts == blocks["labels"]) & (blocks["loss_weights"] > 0)
         return {"chain": anchor_taus(correct[0], block_size)}
 
-    return served_estimates(drafter, target, samples, chain_taus, anchors_per_forward)["chain"]
+    return served_estimates(drafter, target, samples, chain_taus, anchors_per_forward, max_reply_tokens)["chain"]
 
 
 def served_drafts(drafter, hidden: torch.Tensor, lm_head, block_ids: torch.LongTensor) -> torch.LongTensor:
@@ -154,9 +156,18 @@ def served_tree_tau_estimates(
     return served_estimates(drafter, target, samples, tree_taus, anchors_per_forward)
 
 
-def served_estimates(drafter, target, samples: list[dict], score, anchors_per_forward: int) -> dict:
+def served_estimates(
+    drafter, target, samples: list[dict], score, anchors_per_forward: int, max_reply_tokens: int | None = None
+) -> dict:
     """The served-walk and uniform τ of every scoring `score(hidden, blocks) -> {key: (A,) τ per anchor}`
-    gives, over `samples`: one packed training forward with an anchor at every reply position (in chunks)."""
+    gives, over `samples`: one packed training forward with an anchor at every reply position (in chunks), or
+    at the first `max_reply_tokens` - 1 of each reply (the walk then ends each reply there)."""
+    if max_reply_tokens is not None and (
+        not isinstance(max_reply_tokens, int) or isinstance(max_reply_tokens, bool) or max_reply_tokens < 2
+    ):
+        raise ValueError(
+            f"max_reply_tokens={max_reply_tokens!r}: an int >= 2 (tokens per reply), or None for whole replies."
+        )
     config = drafter.config
     block_size, device = config.block_size, next(drafter.parameters()).device
     embedding = target.get_input_embeddings()
@@ -172,7 +183,10 @@ def served_estimates(drafter, target, samples: list[dict], score, anchors_per_fo
             features = compute_target_features(target, input_ids, config.target_layer_ids, torch.ones_like(input_ids))
         features = features.to(next(drafter.parameters()).dtype)
         mask = loss_mask[0].bool()
-        candidates = (mask[:-1] & mask[1:]).nonzero().squeeze(1)  # anchors with a next token in the reply
+        served = mask[:-1] & mask[1:]  # anchors with a next token in the reply
+        if max_reply_tokens is not None:  # ... among its first max_reply_tokens
+            served &= reply_offsets(loss_mask)[0, 1:] < max_reply_tokens
+        candidates = served.nonzero().squeeze(1)
         sample_taus: dict = {}
         for chunk in candidates.split(anchors_per_forward):
             anchors = chunk[None]
@@ -190,7 +204,10 @@ def served_estimates(drafter, target, samples: list[dict], score, anchors_per_fo
         rounds, per_sample, counts, every = [], [], [], []
         for sample, tau_at in zip(samples, per_sample_taus):
             every += list(tau_at.values())
-            sample_rounds = walk_served_rounds(tau_at, reply_spans(sample["loss_mask"]))
+            spans = reply_spans(sample["loss_mask"])
+            if max_reply_tokens is not None:
+                spans = [(start, min(end, start + max_reply_tokens)) for start, end in spans]
+            sample_rounds = walk_served_rounds(tau_at, spans)
             rounds += sample_rounds
             per_sample.append(sum(sample_rounds) / len(sample_rounds) if sample_rounds else 0.0)
             counts.append(len(sample_rounds))

@@ -25,11 +25,12 @@ def held_out_samples(packed: str | Path, count: int, eval_part: str | None = Non
     return [dataset[i] for i in held_out_indices(dataset, count, eval_part)]
 
 
-def heldout_tau_row(drafter, target, samples: list[dict]) -> dict:
+def heldout_tau_row(drafter, target, samples: list[dict], max_reply_tokens: int | None = None) -> dict:
     """Served-walk τ (anchors visited as `generate` visits them) and uniform all-anchor τ of `drafter` on
-    `samples`, with the number of served rounds and the seconds it took."""
+    `samples` (each reply whole, or its first `max_reply_tokens`), with the number of served rounds and the
+    seconds it took."""
     start = time.perf_counter()
-    estimate = served_tau_estimate(drafter, target, samples)
+    estimate = served_tau_estimate(drafter, target, samples, max_reply_tokens=max_reply_tokens)
     return {
         "served_tau": round(estimate.served_tau, 4),
         "all_anchor_tau": round(estimate.uniform_tau, 4),

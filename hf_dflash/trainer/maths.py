@@ -4,6 +4,8 @@ Shapes: B = batch, S = sequence length, A = anchors per sequence, bs = block siz
 Blocks are laid out anchor-major: flat index a * bs + k is slot k of anchor a.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -23,26 +25,57 @@ def decay_weights(block_size: int, gamma: float) -> torch.Tensor:
     return weights
 
 
+def reply_offsets(loss_mask: torch.Tensor) -> torch.LongTensor:
+    """(B, S) each supervised position's offset from the start of its reply (its maximal run of supervised
+    positions: a multi-turn chat restarts at 0 in every reply); 0 outside the replies."""
+    mask = loss_mask.bool()
+    index = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    starts = mask.clone()
+    starts[:, 1:] &= ~mask[:, :-1]
+    run_start = torch.where(starts, index, torch.zeros_like(index)).cummax(-1).values
+    return torch.where(mask, index - run_start, torch.zeros_like(index))
+
+
+def anchor_draw_weights(loss_mask: torch.Tensor, decay_tokens: float) -> torch.Tensor:
+    """(B, S) the relative chance of each position to be drawn as an anchor: 1 / (1 + d / decay_tokens) at
+    reply offset d (the reply's first token 1, its `decay_tokens`-th 1/2), or 1 everywhere when decay_tokens
+    is 0. Serving visits the first tokens of every reply, where the drafter has the least context of the
+    reply and τ is lowest; a short generation is made of nothing else."""
+    if decay_tokens == 0:
+        return torch.ones(loss_mask.shape, device=loss_mask.device)
+    return 1.0 / (1.0 + reply_offsets(loss_mask).float() / decay_tokens)
+
+
 def select_anchors(
-    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+    loss_mask: torch.Tensor,
+    num_anchors: int,
+    generator: torch.Generator | None = None,
+    decay_tokens: float = 0.0,
 ) -> tuple[torch.LongTensor, torch.BoolTensor]:
     """Draw up to `num_anchors` anchor positions per sequence, without replacement.
 
     loss_mask (B, S). Candidates are positions p with loss_mask[p] == loss_mask[p + 1] == 1 (the
-    anchor and at least its first prediction are supervised). Returns anchor_positions (B, A) sorted
-    ascending and anchor_valid (B, A), A = min(num_anchors, most candidates in any row); rows with
-    fewer candidates are padded with position 0 and valid = False.
+    anchor and at least its first prediction are supervised). Uniform over the candidates, or with
+    `decay_tokens` > 0 weighted by `anchor_draw_weights` (a single draw picks p with probability
+    w(p) / sum(w)). Returns anchor_positions (B, A) sorted ascending and anchor_valid (B, A),
+    A = min(num_anchors, most candidates in any row); rows with fewer candidates are padded with
+    position 0 and valid = False.
     """
     mask = loss_mask.bool()
     candidates = torch.zeros_like(mask)
     candidates[:, :-1] = mask[:, :-1] & mask[:, 1:]
     count = int(candidates.sum(-1).max()) if candidates.numel() else 0
     width = max(1, min(num_anchors, count))
-    # random keys on candidates, -1 elsewhere: top-k = a uniform draw without replacement
     keys = torch.rand(candidates.shape, generator=generator, device=loss_mask.device)
-    keys = torch.where(candidates, keys, torch.full_like(keys, -1.0))
+    # keys on candidates, `outside` elsewhere: the top-k keys are the draw without replacement
+    if decay_tokens == 0:  # uniform keys u
+        outside = -1.0
+    else:  # log(u) / w(p), kept in log space (u ** (1 / w) underflows): weighted (Efraimidis and Spirakis, 2006)
+        outside = -math.inf
+        keys = keys.clamp_min(torch.finfo(keys.dtype).tiny).log() / anchor_draw_weights(loss_mask, decay_tokens)
+    keys = torch.where(candidates, keys, torch.full_like(keys, outside))
     top_keys, top_positions = keys.topk(width, dim=-1)
-    valid = top_keys >= 0
+    valid = top_keys > outside
     positions = torch.where(valid, top_positions, torch.zeros_like(top_positions))
     order = torch.where(valid, positions, torch.full_like(positions, loss_mask.shape[1])).argsort(-1)
     return positions.gather(-1, order), valid.gather(-1, order)

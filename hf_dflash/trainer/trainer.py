@@ -113,6 +113,7 @@ class DFlashTrainer(Trainer):
                 mask_token_id=model.config.mask_token_id,
                 gamma=args.loss_decay_gamma,
                 pad_token_id=target.config.get_text_config().pad_token_id or 0,
+                anchor_decay_tokens=args.anchor_decay_tokens,
             )
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
         target.requires_grad_(False)
