@@ -44,7 +44,9 @@ def choose_compile(setting: str, device: torch.device | str) -> tuple[bool, str]
     30-48 s of compile (2-core Zen 4/5, Xeon with AMX) that a short run never repays, and eager rounds run their
     linear layers packed where that pays (fp32; compiled ones cannot). Measured (docs/results.md): Zen 5 fp32,
     eager DFlash 1.43x the fastest plain, compiled 1.00x; Zen 4 bf16, compiled worth 1.14x over long runs; Xeon
-    AMX bf16, compiled rounds 1.06-1.26x faster than eager but 45 s of compile, repaid after ~4,000 tokens."""
+    AMX bf16, compiled rounds 1.06-1.26x faster than eager but 45 s of compile, repaid after ~4,000 tokens. A new
+    process over torch's warm on-disk cache still compiles 8 s per shape (Xeon AMX, plain decoding 1.15x faster
+    compiled in bf16: repaid after ~860 tokens, 1.05x in fp32: ~2,400; benchmarks/generation/compile_cost.py)."""
     if setting not in COMPILE_SETTINGS:
         raise ValueError(f"--compile must be one of {', '.join(COMPILE_SETTINGS)}, got {setting!r}.")
     device_type = torch.device(device).type
