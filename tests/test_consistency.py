@@ -39,16 +39,22 @@ def test_served_walk_equals_generate_round_for_round(arch, block_size):
     assert 1 < estimate.served_tau and estimate.uniform_tau != estimate.served_tau
 
 
-@pytest.mark.parametrize("served_tokens", [2, 13, 20])
-def test_a_reply_cut_to_n_tokens_walks_as_generate_with_max_new_tokens_n(served_tokens):
-    """max_reply_tokens = N: the estimate's rounds on a 40-token reply equal generate(max_new_tokens=N)'s."""
+def oracle_on_a_40_token_reply(**drafter_sizes):
+    """(target, prompt, its 40-token greedy reply, an oracle drafter of block 4 wrong at 5 positions)."""
     target = make_target("llama")
     prompt = torch.tensor([[5, 17, 33, 9, 71, 12]])
     plain = target.generate(prompt, do_sample=False, max_new_tokens=40, eos_token_id=None)
     believed = plain.clone()
     for position in (9, 10, 17, 25, 33):
         believed[0, position] = (believed[0, position] + 1) % 128
-    drafter = OracleDrafter(make_drafter(target, block_size=4).config, target.lm_head.weight, believed).eval()
+    config = make_drafter(target, block_size=4, **drafter_sizes).config
+    return target, prompt, plain, OracleDrafter(config, target.lm_head.weight, believed).eval()
+
+
+@pytest.mark.parametrize("served_tokens", [2, 13, 20])
+def test_a_reply_cut_to_n_tokens_walks_as_generate_with_max_new_tokens_n(served_tokens):
+    """max_reply_tokens = N: the estimate's rounds on a 40-token reply equal generate(max_new_tokens=N)'s."""
+    target, prompt, plain, drafter = oracle_on_a_40_token_reply()
     target.generate(prompt, do_sample=False, max_new_tokens=served_tokens, eos_token_id=None, assistant_model=drafter)
     served_rounds = drafter.last_acceptance.acceptance_lengths
     sample = {"input_ids": plain[0].tolist(), "loss_mask": [0] * prompt.shape[1] + [1] * 40}
@@ -116,14 +122,8 @@ def test_tree_estimates_equal_generate_with_trees_round_for_round(dflash2):
     rounds for budget 6 are generate's."""
     from hf_dflash.trainer.consistency import served_tree_tau_estimates
 
-    target = make_target("llama")
-    prompt = torch.tensor([[5, 17, 33, 9, 71, 12]])
-    plain = target.generate(prompt, do_sample=False, max_new_tokens=40, eos_token_id=None)
-    believed = plain.clone()
-    for position in (9, 10, 17, 25, 33):
-        believed[0, position] = (believed[0, position] + 1) % 128
     sizes = dict(conv_kernel_size=2, conv_group_size=8, selector_rank=6, selector_top_k=4) if dflash2 else {}
-    drafter = OracleDrafter(make_drafter(target, block_size=4, **sizes).config, target.lm_head.weight, believed).eval()
+    target, prompt, plain, drafter = oracle_on_a_40_token_reply(**sizes)
     if dflash2:
         generator = torch.Generator().manual_seed(0)
         with torch.no_grad():
