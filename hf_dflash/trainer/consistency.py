@@ -23,7 +23,7 @@ from ..generation.selector import selector_chain, selector_tree_children
 from ..generation.tree import accepted_path, best_first_tree, best_first_tree_by
 from ..target_features import compute_target_features
 from .forward import dflash_training_forward
-from .maths import build_blocks, reply_offsets
+from .maths import build_blocks
 
 __all__ = [
     "ServedTauEstimate",
@@ -172,6 +172,7 @@ def served_estimates(
     block_size, device = config.block_size, next(drafter.parameters()).device
     embedding = target.get_input_embeddings()
     taus_at: dict = {}  # key -> per sample: {position: τ}
+    spans_of: list[list[tuple[int, int]]] = []  # per sample: the replies served, [start, end)
     drafter_was_training = drafter.training
     drafter.eval()
     for sample in samples:
@@ -182,11 +183,14 @@ def served_estimates(
         else:
             features = compute_target_features(target, input_ids, config.target_layer_ids, torch.ones_like(input_ids))
         features = features.to(next(drafter.parameters()).dtype)
-        mask = loss_mask[0].bool()
-        served = mask[:-1] & mask[1:]  # anchors with a next token in the reply
-        if max_reply_tokens is not None:  # ... among its first max_reply_tokens
-            served &= reply_offsets(loss_mask)[0, 1:] < max_reply_tokens
-        candidates = served.nonzero().squeeze(1)
+        spans = reply_spans(sample["loss_mask"])
+        if max_reply_tokens is not None:  # each reply as max_new_tokens cuts it
+            spans = [(start, min(end, start + max_reply_tokens)) for start, end in spans]
+        spans_of.append(spans)
+        # anchors with a next token in their (cut) reply
+        candidates = torch.tensor(
+            [p for start, end in spans for p in range(start, end - 1)], dtype=torch.long, device=device
+        )
         sample_taus: dict = {}
         for chunk in candidates.split(anchors_per_forward):
             anchors = chunk[None]
@@ -202,11 +206,8 @@ def served_estimates(
     estimates = {}
     for key, per_sample_taus in taus_at.items():
         rounds, per_sample, counts, every = [], [], [], []
-        for sample, tau_at in zip(samples, per_sample_taus):
+        for spans, tau_at in zip(spans_of, per_sample_taus):
             every += list(tau_at.values())
-            spans = reply_spans(sample["loss_mask"])
-            if max_reply_tokens is not None:
-                spans = [(start, min(end, start + max_reply_tokens)) for start, end in spans]
             sample_rounds = walk_served_rounds(tau_at, spans)
             rounds += sample_rounds
             per_sample.append(sum(sample_rounds) / len(sample_rounds) if sample_rounds else 0.0)

@@ -38,11 +38,9 @@ def reply_offsets(loss_mask: torch.Tensor) -> torch.LongTensor:
 
 def anchor_draw_weights(loss_mask: torch.Tensor, decay_tokens: float) -> torch.Tensor:
     """(B, S) the relative chance of each position to be drawn as an anchor: 1 / (1 + d / decay_tokens) at
-    reply offset d (the reply's first token 1, its `decay_tokens`-th 1/2), or 1 everywhere when decay_tokens
-    is 0. Serving visits the first tokens of every reply, where the drafter has the least context of the
-    reply and τ is lowest; a short generation is made of nothing else."""
-    if decay_tokens == 0:
-        return torch.ones(loss_mask.shape, device=loss_mask.device)
+    reply offset d (the reply's first token 1, its `decay_tokens`-th 1/2), decay_tokens > 0. Serving visits
+    the first tokens of every reply, where the drafter has the least context of the reply and τ is lowest;
+    a short generation is made of nothing else."""
     return 1.0 / (1.0 + reply_offsets(loss_mask).float() / decay_tokens)
 
 
