@@ -6,9 +6,11 @@ decoding step (1) or a verification round (8-32) multiplies, that kernel runs fa
 171 us for 8 rows where oneDNN's matmul over the same weight, reordered once into its blocked layout
 (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's freezing pass does for its own graphs), takes
 53 us; its 49 k-row LM head 11.6 vs 3.0 ms; a whole 8-token forward 82.9 vs 48.1 ms, a 1-token one 45.4 vs
-39.6 (benchmarks/generation/cost_curve.py). bf16 products already go to oneDNN there: packing left the
-whole forward where it was (42.4 vs 43.0 ms at 8 tokens), so only float32 is packed by measurement
-(`packing_pays`), never assumed; `packed_linears` packs bf16 layers too when asked:
+39.6 (benchmarks/generation/cost_curve.py). bf16 products already go to oneDNN, yet on a 2-core Intel Xeon
+with AMX packing still made a whole bf16 forward 1.15-1.2x faster at every width (47.1 vs 39.1 ms at 1 token,
+51.8 vs 45.2 at 8) under OpenMP's default wait policy, where under `OMP_WAIT_POLICY=PASSIVE` (which earlier
+measurements used) it gained nothing: so no dtype is assumed, each is packed by measurement (`packing_pays`,
+every layer's product streamed once, as a forward runs them); `packed_linears` packs whatever it is given:
 
     with packed_linears(target, drafter):        # every packable nn.Linear inside runs through oneDNN
         target.generate(**inputs)                 # plain decoding, or DFlash (`drafter.linear_packing`)
@@ -36,6 +38,7 @@ __all__ = [
     "is_packed",
     "linear_packing_supported",
     "packed_linears",
+    "packing_floor",
     "packing_pays",
     "release_packed_weights",
 ]
@@ -43,9 +46,11 @@ __all__ = [
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 PACK_ATTRIBUTE = "_hf_dflash_packed_weight"  # (weight, its key, packed weight) on a layer that was packed
 PACKED_ROWS = "_hf_dflash_rows"  # on a layer while it runs packed: the row count its pack is laid out for
+PACKED_FROM = "_hf_dflash_from_rows"  # on a layer while it runs packed: products of fewer rows take the default path
 PACK_ROWS = 8  # the row count packs are laid out for by default (a pack made for other rows is made again)
 PAYS_FROM = 1.1  # packing is chosen where the measured product is at least this much faster
-_PAYS: dict[tuple, bool] = {}  # (dtype, out, in, rows, threads) -> measured verdict, once per process
+FLOOR_PROBES = (1, 4)  # row counts timed below `rows`, in turn, for the fewest rows packing pays from
+_PAYS: dict[tuple, bool] = {}  # (dtype, layer shapes, rows, threads) -> measured verdict, once per process
 
 
 def linear_packing_supported() -> bool:
@@ -77,10 +82,11 @@ def packed_weight(layer: nn.Linear, rows: int) -> torch.Tensor:
 
 def packed_forward(layer: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     """`layer(hidden)` (..., in) -> (..., out) through the packed weight; the default path where autograd
-    is needed or the input does not match the weight's dtype and device."""
+    is needed, the input does not match the weight's dtype and device, or it has fewer rows than packing pays from."""
     weight, bias = layer.weight, layer.bias
     if (
-        hidden.dtype != weight.dtype
+        hidden.numel() < layer.__dict__[PACKED_FROM] * hidden.shape[-1]
+        or hidden.dtype != weight.dtype
         or hidden.device.type != "cpu"
         or (
             torch.is_grad_enabled()
@@ -93,29 +99,26 @@ def packed_forward(layer: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def packed_linears(*modules: nn.Module, rows: int = PACK_ROWS) -> Iterator[int]:
+def packed_linears(*modules: nn.Module, rows: int = PACK_ROWS, from_rows: int = 1) -> Iterator[int]:
     """Run every packable `nn.Linear` in `modules` through oneDNN with its weight prepacked for `rows`-row
-    products (packs serve any row count; `rows` is the count they are laid out for), restoring the layers'
-    own forward on exit. Yields the number of layers packed (0 where this torch build cannot)."""
-    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
-        raise ValueError(f"rows={rows!r}: must be a positive int (the row count the packed layout is made for).")
-    layers = []
-    if linear_packing_supported():
-        seen: set[int] = set()
-        for module in modules:
-            for layer in module.modules():
-                if id(layer) not in seen and packable(layer):
-                    seen.add(id(layer))
-                    layers.append(layer)
+    products (packs serve any row count; `rows` is the count they are laid out for), products of fewer than
+    `from_rows` rows through the default path (`packing_floor`), restoring the layers' own forward on exit.
+    Yields the number of layers packed (0 where this torch build cannot)."""
+    for name, value in (("rows", rows), ("from_rows", from_rows)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r}: must be a positive int (a row count of the products packed).")
+    layers = packable_layers(nn.ModuleList(modules)) if linear_packing_supported() else []
     try:
         for layer in layers:
             setattr(layer, PACKED_ROWS, rows)
+            setattr(layer, PACKED_FROM, from_rows)
             layer.forward = types.MethodType(packed_forward, layer)
         yield len(layers)
     finally:
         for layer in layers:
             del layer.forward
             delattr(layer, PACKED_ROWS)
+            delattr(layer, PACKED_FROM)
 
 
 def is_packed(module: nn.Module) -> bool:
@@ -131,37 +134,67 @@ def release_packed_weights(*modules: nn.Module) -> None:
                 delattr(layer, PACK_ATTRIBUTE)
 
 
-def largest_linear(module: nn.Module) -> nn.Linear | None:
-    """The packable layer with the most weights outside the LM head (the product a forward repeats most)."""
-    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
-    layers = [layer for layer in module.modules() if packable(layer) and layer is not head]
-    return max(layers, key=lambda layer: layer.weight.numel(), default=None)
+def packable_layers(module: nn.Module) -> list[nn.Linear]:
+    """Every packable layer of `module`, each once (a tied LM head included), in forward order."""
+    seen: set[int] = set()
+    layers = []
+    for layer in module.modules():
+        if id(layer) not in seen and packable(layer):
+            seen.add(id(layer))
+            layers.append(layer)
+    return layers
 
 
-def time_product(run, repeats: int = 20) -> float:
-    """The fastest of `repeats` timed calls of `run` (after two warm-up calls), in seconds."""
-    run(), run()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
+def stack_seconds(layers: list[nn.Linear], hiddens: dict[int, torch.Tensor], pack_rows: int | None) -> float:
+    """One product through every layer in turn, each over `hiddens[in_features]` (rows, in), as a forward streams
+    its weights from memory: the default path (`pack_rows` None) or packs laid out for `pack_rows` (made on first
+    use and kept on the layers)."""
+    start = time.perf_counter()
+    for layer in layers:
+        hidden = hiddens[layer.in_features]
+        if pack_rows is not None:
+            pack = packed_weight(layer, pack_rows)
+            torch.ops.mkldnn._linear_pointwise(hidden, pack, layer.bias, "none", [], "")
+        else:
+            nn.functional.linear(hidden, layer.weight, layer.bias)
+    return time.perf_counter() - start
+
+
+def pays_at(layers: list[nn.Linear], rows: int, pack_rows: int, repeats: int) -> bool:
+    """Whether the packed stack of `layers` (laid out for `pack_rows`) runs `rows`-row products >= `PAYS_FROM`
+    times faster than the default path: both timed in turn, best of `repeats`, once per process."""
+    dtype = layers[0].weight.dtype
+    shapes = tuple((layer.out_features, layer.in_features, layer.bias is not None) for layer in layers)
+    key = (dtype, shapes, rows, pack_rows, torch.get_num_threads())
+    if key not in _PAYS:
+        hiddens = {size: torch.randn(rows, size, dtype=dtype) for size in {layer.in_features for layer in layers}}
+        with torch.no_grad():
+            stack_seconds(layers, hiddens, pack_rows), stack_seconds(layers, hiddens, None)
+            default = packed = float("inf")
+            for _ in range(repeats):
+                default = min(default, stack_seconds(layers, hiddens, None))
+                packed = min(packed, stack_seconds(layers, hiddens, pack_rows))
+        _PAYS[key] = default >= PAYS_FROM * packed
+    return _PAYS[key]
+
+
+def packing_floor(module: nn.Module, rows: int = PACK_ROWS, repeats: int = 3) -> int | None:
+    """The fewest rows from which packing makes `module`'s linear layers faster on this machine, or None where it
+    does not pay at `rows` (a verification round's width). Every packable layer's product, one after another as a
+    forward runs them (weights streamed from memory: one layer warm in cache flattered packing where the whole
+    forward did not gain), timed both ways at `rows`, then at 1 and 4 rows until it pays (on an Intel Xeon MKL's
+    fp32 sgemm beats the pack at 1-2 rows and loses from 4). ~0.2-0.6 s once per dtype, shapes, rows and thread
+    count in a process for a 135 M model, beside making the packs (~0.5 s), which a call that packs makes anyway;
+    the packs stay on the layers where it pays and are freed where not."""
+    layers = packable_layers(module)
+    if not layers or len({layer.weight.dtype for layer in layers}) != 1 or not linear_packing_supported():
+        return None
+    if not pays_at(layers, rows, rows, repeats):
+        release_packed_weights(*layers)
+        return None
+    return next((probe for probe in FLOOR_PROBES if probe < rows and pays_at(layers, probe, rows, repeats)), rows)
 
 
 def packing_pays(module: nn.Module, rows: int = PACK_ROWS) -> bool:
-    """Whether packing makes `module`'s float32 linear layers faster on this machine: its largest layer's product
-    over `rows` rows timed both ways (a few ms, once per shape and thread count in a process). bf16: False
-    (aten already runs oneDNN; one layer timed alone looked faster packed where the whole forward was not)."""
-    layer = largest_linear(module)
-    if layer is None or layer.weight.dtype != torch.float32 or not linear_packing_supported():
-        return False
-    weight = layer.weight.detach()
-    key = (weight.dtype, *weight.shape, rows, torch.get_num_threads())
-    if key not in _PAYS:
-        hidden = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-        default = time_product(lambda: nn.functional.linear(hidden, weight))
-        oned = time_product(lambda: torch.ops.mkldnn._linear_pointwise(hidden, packed, None, "none", [], ""))
-        _PAYS[key] = default >= PAYS_FROM * oned
-    return _PAYS[key]
+    """Whether packing makes `module`'s `rows`-row products faster on this machine (`packing_floor`)."""
+    return packing_floor(module, rows) is not None

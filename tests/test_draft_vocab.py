@@ -161,3 +161,21 @@ def test_a_corrupt_draft_vocabulary_is_refused_on_load(tmp_path, fmt):
     save_file(state, weights, metadata={"format": "pt"})
     with pytest.raises(ValueError, match="outside the target vocabulary"):
         (load_drafter if fmt == "hub" else load_official)(tmp_path / fmt)
+
+
+@pytest.mark.parametrize("pruned", [True, False])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_block_slices_take_one_product_not_a_batched_copy_of_the_head(pruned, batch):
+    """The draft slots of a block are a slice (`hidden[:, 1:]`): aten's matmul ran such a 3-D input as a batched
+    product over an expanded copy of the whole head (torch 2.13 CPU: 10x the product's time); rows are flattened
+    first, so the head runs as one 2-D product, with the same logits, also for an empty slice."""
+    target = make_target("llama")
+    drafter = pruned_drafter(target) if pruned else make_drafter(target)
+    block = torch.randn(batch, 5, target.config.hidden_size)
+    for hidden in (block[:, 1:], block[:, 5:]):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            logits = drafter.draft_logits(hidden, target.lm_head, full_vocab=False)
+        assert "aten::bmm" not in {event.key for event in profile.key_averages()}
+        expected = target.lm_head(hidden.contiguous())
+        assert logits.shape[:-1] == hidden.shape[:-1]
+        torch.testing.assert_close(logits, expected[..., SUBSET] if pruned else expected)

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+import hf_dflash.packed_linears as packed_linears_module
 from hf_dflash.generation.cost_timing import cost_model_key
 from hf_dflash.generation.linear_packing import linear_packing_setting, loop_linear_packing
 from hf_dflash.packed_linears import (
@@ -156,9 +157,70 @@ def test_compiled_calls_are_not_packed():
         assert count == 0
 
 
-def test_auto_never_packs_bf16():
-    model = make_target("llama").to(torch.bfloat16)
-    assert packing_pays(model, rows=8) is False
+def fake_stack(monkeypatch, model, dtype, seconds):
+    """Replace the timed stack by `seconds(rows, pack_rows)` (packs still made, as the real one makes them)."""
+    monkeypatch.setattr(packed_linears_module, "_PAYS", {})
+
+    def stack_seconds(layers, hiddens, pack_rows):
+        assert len(layers) == len(packed_linears_module.packable_layers(model))
+        rows = {hidden.shape[0] for hidden in hiddens.values()}
+        assert all(hidden.dtype == dtype for hidden in hiddens.values()) and len(rows) == 1
+        if pack_rows is not None:
+            for layer in layers:
+                packed_linears_module.packed_weight(layer, pack_rows)
+        return seconds(rows.pop(), pack_rows)
+
+    monkeypatch.setattr(packed_linears_module, "stack_seconds", stack_seconds)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("default_ms, packed_ms, pays", [(10.0, 9.0, True), (10.0, 9.5, False), (9.0, 10.0, False)])
+def test_packing_pays_by_the_streamed_stack(monkeypatch, dtype, default_ms, packed_ms, pays):
+    """The verdict is the timed stack of every layer (both dtypes alike), with a 1.1x margin; packs made for the
+    timing are freed when packing does not pay, kept when it does."""
+    model = make_target("llama").to(dtype)
+    fake_stack(monkeypatch, model, dtype, lambda rows, pack_rows: (packed_ms if pack_rows else default_ms) / 1000)
+    assert packing_pays(model, rows=8) is pays
+    kept = [PACK_ATTRIBUTE in vars(layer) for layer in packed_linears_module.packable_layers(model)]
+    assert all(kept) if pays else not any(kept)
+
+
+@pytest.mark.parametrize("pays_from, floor", [(1, 1), (2, 4), (4, 4), (5, 8), (8, 8), (9, None)])
+def test_packing_floor_is_the_fewest_rows_timed_faster(monkeypatch, pays_from, floor):
+    """Timed at 8 rows, then 1 and 4: the floor is the first probe where packing pays (8 when only there)."""
+    model = make_target("llama")
+    fake_stack(monkeypatch, model, torch.float32, lambda rows, pack_rows: 0.5 if pack_rows and rows >= pays_from else 1)
+    assert packed_linears_module.packing_floor(model, rows=8) == floor
+
+
+def test_products_below_the_floor_take_the_default_path(monkeypatch):
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 8)
+    packed_calls = []
+    real = packed_linears_module.packed_weight
+    monkeypatch.setattr(packed_linears_module, "packed_weight", lambda *args: packed_calls.append(1) or real(*args))
+    with torch.no_grad(), packed_linears(layer, from_rows=4):
+        for shape, packed in (
+            ((1, 16), False),
+            ((3, 16), False),
+            ((1, 3, 16), False),
+            ((4, 16), True),
+            ((2, 2, 16), True),
+        ):
+            packed_calls.clear()
+            hidden = torch.randn(shape)
+            torch.testing.assert_close(layer(hidden), nn.functional.linear(hidden, layer.weight, layer.bias))
+            assert bool(packed_calls) is packed, shape
+
+
+def test_stack_seconds_runs_every_layer_both_ways():
+    model = make_target("llama")
+    layers = packed_linears_module.packable_layers(model)
+    hiddens = {size: torch.randn(3, size) for size in {layer.in_features for layer in layers}}
+    assert packed_linears_module.stack_seconds(layers, hiddens, None) > 0
+    assert not any(PACK_ATTRIBUTE in vars(layer) for layer in layers)
+    assert packed_linears_module.stack_seconds(layers, hiddens, 8) > 0
+    assert all(PACK_ATTRIBUTE in vars(layer) for layer in layers)
 
 
 def test_the_draft_vocabulary_head_is_packed_and_still_lossless():

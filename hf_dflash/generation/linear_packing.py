@@ -7,18 +7,21 @@
 Only eager calls are packed: a compiled verification (a static cache with `compile_config`) keeps the graph
 inductor built. The packs are laid out for 8 rows (`PACK_ROWS`, a chain's verification), whatever the width: a
 pack serves every row count, and one layout per layer is kept across calls (plain decoding inside
-`packed_linears(target)` shares it; a pack made for 1 row ran plain decoding no faster). The cost model that
+`packed_linears(target)` shares it; a pack made for 1 row ran plain decoding no faster). "auto" packs each model
+from the fewest rows its timed layer stack pays from (`packing_floor`: on an Intel Xeon fp32 products of 1-2 rows
+stay with MKL). The cost model that
 sizes trees and hybrid budgets is timed inside the same setting; its cache key says whether the target was packed.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 
 from transformers import GenerationConfig, PreTrainedModel
 
 from ..modeling_dflash import DFlashDraftModel
-from ..packed_linears import PACK_ROWS, packed_linears, packing_pays
+from ..packed_linears import PACK_ROWS, packable_layers, packed_linears, packing_floor
 
 
 def linear_packing_setting(drafter: DFlashDraftModel):
@@ -39,7 +42,26 @@ def loop_linear_packing(
     setting = linear_packing_setting(drafter)
     if setting is False or target._valid_auto_compile_criteria(model_kwargs, generation_config):
         return nullcontext(0)
-    models = [model for model in (target, drafter) if setting is True or packing_pays(model, PACK_ROWS)]
-    if target in models and drafter.config.draft_vocab_size is not None:  # the target's head rows it drafts with
-        models.append(drafter.draft_head(target.get_output_embeddings()))
-    return packed_linears(*models, rows=PACK_ROWS) if models else nullcontext(0)
+    floors = {model: 1 if setting is True else packing_floor(model, PACK_ROWS) for model in (target, drafter)}
+    if (
+        floors[target] is not None and drafter.config.draft_vocab_size is not None
+    ):  # the target's head rows it drafts with
+        floors[drafter.draft_head(target.get_output_embeddings())] = floors[target]
+    return packed_by_floor({model: floor for model, floor in floors.items() if floor is not None})
+
+
+@contextmanager
+def packed_by_floor(floors: dict) -> Iterator[int]:
+    """`packed_linears` over each model's layers from its own floor (fewest rows packed); a layer two models share
+    is packed once, with the first model's floor. Yields the number of layers packed."""
+    seen: set[int] = set()
+    groups: dict[int, list] = {}
+    for model, floor in floors.items():
+        layers = [layer for layer in packable_layers(model) if id(layer) not in seen]
+        seen.update(id(layer) for layer in layers)
+        groups.setdefault(floor, []).extend(layers)
+    with ExitStack() as stack:
+        yield sum(
+            stack.enter_context(packed_linears(*layers, rows=PACK_ROWS, from_rows=floor))
+            for floor, layers in groups.items()
+        )
