@@ -22,12 +22,13 @@ plus the cached keys/values it attends to, and the FLOPs 2 x weights x n plus at
 also times a compiled decoding step (n = 1) over static caches of other sizes: a static cache attends
 over every slot, where a dynamic one holds only the tokens so far.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/generation/cost_curve.py --out out/cost_curve.json
+    python benchmarks/generation/cost_curve.py --out out/cost_curve.json
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import time
@@ -308,6 +309,7 @@ def main(args: argparse.Namespace) -> None:
         "native_bf16": bool({"avx512_bf16", "amx_bf16"} & flags),
         "avx512": "avx512f" in flags,
         "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") or "default",
         "torch": torch.__version__,
         "memory_bandwidth_gbs": round(bandwidth / 1e9, 1),
     }

@@ -7,7 +7,7 @@ drafter upgraded at identity (`dflash2_from_dflash`: the same convolutions and w
 the same cost). Each timing is the fastest of `--repeats` rounds, the drafters alternating `--turns` times;
 the figure is the median turn. Prints a table and writes JSON:
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/generation/dflash2_round_cost.py \\
+    python benchmarks/generation/dflash2_round_cost.py \\
         --drafter models/smollm2-135m-instruct-dflash --dtype bfloat16 --out out/dflash2_round_cost.json
 """
 

@@ -11,7 +11,7 @@ The lever of `hf_dflash.packed_linears` (`drafter.linear_packing`), measured sid
 greedy, one chat turn per prompt; every answer is compared with plain's. Ratios are against the fastest plain
 decoding of the run. Prints a table and writes JSON:
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/generation/linear_packing.py --dtype float32 --out out/packing.json
+    python benchmarks/generation/linear_packing.py --dtype float32 --out out/packing.json
 """
 
 from __future__ import annotations
