@@ -319,3 +319,48 @@ def test_regenerate_range_refuses_a_negative_or_out_of_range_span(tmp_path, monk
         err = capsys.readouterr().err
         assert err.startswith("regenerate_range.py: error:") and fragment in err, err
     assert not (tmp_path / "work").exists()
+
+
+contaminated = load_module("scripts/contaminated_chats.py")
+
+
+def test_contaminated_chats_names_prompts_sharing_a_13_word_run_and_offline_subset_leaves_them_out(tmp_path):
+    """A chat whose prompt shares a 13-word run with an evaluation prompt (or is a short one word for word) is
+    listed, a reply that does is not (only prompts are checked), and the list works as `--exclude`."""
+    from hf_dflash.data.corpus import build_eval_index
+    from hf_dflash.data.packed import PackedDataset, pack_tokenized
+    from tests.helpers.data import SETTINGS, make_char_tokenizer, write_tokenized
+
+    def evaluation(record_id, prompt):
+        return {"id": record_id, "messages": [{"role": "user", "content": prompt}]}
+
+    tok = make_char_tokenizer()
+    leaked = "one two three four five six seven eight nine ten eleven twelve thirteen"
+    index = build_eval_index(
+        {"ifbench": [evaluation("ifbench:1", f"Please: {leaked} and more."), evaluation("ifbench:2", "Hi there")]}
+    )
+
+    def chat(i, prompt, reply="ok"):
+        ids, answer = tok.encode(prompt), tok.encode(reply)
+        return {"id": f"sharegpt:{i}", "input_ids": ids + answer, "loss_mask": [0] * len(ids) + [1] * len(answer)}
+
+    chats = [
+        chat(0, f"Now {leaked.upper()}, thanks"),  # the run, case and punctuation aside
+        chat(1, "one two three four five six seven eight nine ten eleven twelve"),  # 12 words: not a run
+        chat(2, "A question", reply=leaked),  # the reply holds it: not a prompt overlap
+        chat(3, "hi, THERE!"),  # identical to a short evaluation prompt
+        *[chat(i, f"an ordinary prompt {i}") for i in range(4, 8)],
+    ]
+    write_tokenized(tmp_path / "a", "tokenized-00000.jsonl", chats)
+    pack_tokenized(tmp_path / "a", tmp_path / "packed", part="train", settings=SETTINGS, tokenizer=tok)
+    hits = contaminated.contaminated_chats(PackedDataset(tmp_path / "packed").samples, tok.decode, index)
+    assert [hit["id"] for hit in hits] == ["sharegpt:0", "sharegpt:3"]
+    assert "13-gram with eval set ifbench id ifbench:1" in hits[0]["reason"]
+    assert "identical to eval set ifbench id ifbench:2" in hits[1]["reason"]
+
+    (tmp_path / "contaminated.json").write_text(json.dumps({"train_ids": [hit["id"] for hit in hits]}))
+    argv = ["--data", str(tmp_path / "packed"), "--out", str(tmp_path / "subset"), "--samples", "6"]
+    argv += ["--eval-part", "train", "--eval-samples", "0", "--exclude", str(tmp_path / "contaminated.json")]
+    assert offline_subset.main(argv) == 0
+    record = json.loads((tmp_path / "subset" / "subset.json").read_text())
+    assert sorted(record["train_ids"]) == sorted(f"sharegpt:{i}" for i in (1, 2, 4, 5, 6, 7))
