@@ -18,8 +18,10 @@ every layer's product streamed once, as a forward runs them); `packed_linears` p
 A packed layer computes the same product in another summation order: its outputs equal the default path's up
 to rounding, as the default path's own 1-row and 8-row kernels differ from each other. Only CPU layers in
 float32 or bfloat16 without autograd are packed (a forward that needs gradients runs the default path). The
-packed copy of a weight is made on first use and kept on the layer (`release_packed_weights` frees it); a
-weight changed in place or replaced is packed again. The layers' parameters and `state_dict` are untouched.
+packed copy of a weight is made on entering `packed_linears` and kept on the layer (`release_packed_weights` frees
+it); an eager call packs a weight changed in place or replaced again. The layers' parameters and `state_dict` are
+untouched. Inside `torch.compile` the packed product is one opaque op (`packed_linear`) over the pack made on
+entry: compiled verification and compiled plain decoding run packed too.
 """
 
 from __future__ import annotations
@@ -94,8 +96,25 @@ def packed_forward(layer: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
         )
     ):
         return nn.Linear.forward(layer, hidden)
+    if torch.compiler.is_compiling():  # the pack made on entering `packed_linears`, through an op inductor keeps
+        return packed_linear(hidden, layer.__dict__[PACK_ATTRIBUTE][2], bias, layer.out_features)
     packed = packed_weight(layer, layer.__dict__[PACKED_ROWS])
     return torch.ops.mkldnn._linear_pointwise(hidden, packed, bias, "none", [], "")
+
+
+@torch.library.custom_op("hf_dflash::packed_linear", mutates_args=())
+def packed_linear(
+    hidden: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """(..., in) -> (..., out_features) through a weight `packed` by `packed_weight`, as one opaque op: inductor
+    lowers oneDNN's linear only over weights it froze itself (torch 2.13 asserts the weight is a graph constant),
+    so a compiled graph calls the packed product through this op instead."""
+    return torch.ops.mkldnn._linear_pointwise(hidden, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(hidden, packed, bias, out_features):
+    return hidden.new_empty(*hidden.shape[:-1], out_features)
 
 
 @contextmanager
@@ -110,6 +129,7 @@ def packed_linears(*modules: nn.Module, rows: int = PACK_ROWS, from_rows: int = 
     layers = packable_layers(nn.ModuleList(modules)) if linear_packing_supported() else []
     try:
         for layer in layers:
+            packed_weight(layer, rows)  # made (or checked) now: a compiled forward reads the pack as it is
             setattr(layer, PACKED_ROWS, rows)
             setattr(layer, PACKED_FROM, from_rows)
             layer.forward = types.MethodType(packed_forward, layer)

@@ -145,16 +145,56 @@ def test_every_mode_with_packed_layers_matches_plain_greedy(mode):
     assert torch.equal(actual, expected)
 
 
-def test_compiled_calls_are_not_packed():
+def graph_ops(captured: list):
+    """A torch.compile backend that records the ops of every graph it is given and runs it as traced."""
+
+    def backend(graph_module, example_inputs):
+        captured.extend(str(node.target) for node in graph_module.graph.nodes if node.op == "call_function")
+        return graph_module.forward
+
+    return backend
+
+
+def test_a_compiled_forward_runs_the_packed_products_in_one_graph():
+    """Inductor lowers oneDNN's linear only over weights it froze itself: the packed layers reach a compiled graph
+    as one opaque op each (no graph break), and the compiled forward computes what the eager one does."""
     target = make_target("llama")
-    drafter = make_drafter(target)
+    input_ids = prompt(5, length=6)
+    with torch.no_grad():
+        expected = target(input_ids).logits
+        captured: list[str] = []
+        with packed_linears(target) as count:
+            torch._dynamo.reset()
+            traced = torch.compile(target.forward, backend=graph_ops(captured), fullgraph=True)(input_ids).logits
+        torch._dynamo.reset()
+    assert count > 0 and captured.count("hf_dflash.packed_linear.default") == count
+    assert "aten.linear.default" not in captured and "<built-in function linear>" not in captured
+    torch.testing.assert_close(traced, expected, rtol=1e-4, atol=1e-5)  # inductor's own run: the next test
+
+
+def test_compiled_dflash_with_packed_layers_matches_plain_greedy():
+    """Compiled verification (static cache + compile_config, inductor) runs packed, and stays lossless."""
+    from tests.test_generation_compiled import compiled_dflash
+
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=4)
     drafter.linear_packing = True
-    config = target.generation_config
-    with loop_linear_packing(target, drafter, config, {}) as count:
-        assert count > 0  # eager: packed
-    target._valid_auto_compile_criteria = lambda *args: True  # what a static cache + compile_config passes
-    with loop_linear_packing(target, drafter, config, {}) as count:
-        assert count == 0
+    input_ids = prompt(6, length=7)
+    expected = plain_greedy(target, input_ids, max_new_tokens=20, eos_token_id=None)
+    packed_during_rounds = []
+    forward = target.forward
+
+    def spy(*args, **kwargs):
+        packed_during_rounds.append(is_packed(target))
+        return forward(*args, **kwargs)
+
+    target.forward = spy
+    torch._dynamo.reset()
+    try:
+        assert torch.equal(compiled_dflash(target, drafter, input_ids, 20), expected)
+    finally:
+        torch._dynamo.reset()
+    assert packed_during_rounds and all(packed_during_rounds)
 
 
 def fake_stack(monkeypatch, model, dtype, seconds):
@@ -230,7 +270,7 @@ def test_the_draft_vocabulary_head_is_packed_and_still_lossless():
     head = drafter.draft_head(target.get_output_embeddings())
     assert head is drafter.draft_head(target.get_output_embeddings())  # gathered once
     assert not any(name.startswith("_draft") for name, _ in drafter.named_modules())  # never saved
-    with loop_linear_packing(target, drafter, target.generation_config, {}):
+    with loop_linear_packing(target, drafter):
         assert "forward" in vars(head)
     input_ids = prompt(4, length=6)
     expected = plain_greedy(target, input_ids, max_new_tokens=20)

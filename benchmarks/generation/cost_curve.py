@@ -12,6 +12,8 @@ For each dtype (`--dtypes`) and each n in `--tokens` (default 1, 2, 4, 8, 16, 32
   slots overwritten by the next), eager: what a static cache alone costs or saves;
 - target, `compiled`: that static forward through `torch.compile` (inductor, `--compile-mode`; `--freezing`:
   the weights become constants its GEMMs may pre-pack), one graph per n, compile time reported apart;
+- target, `compiled packed`: the same compiled forward inside `packed_linears` (every product from one row through
+  the packed op, as compiled verification runs the products at or above its packing floor);
 - drafter, `eager`, `packed` and `compiled`: one draft pass over a k-token block with its k context features and
   the LM head on the k-1 draft slots (its cache cropped back), as a round drafts.
 
@@ -167,6 +169,11 @@ def target_curves(target, layer_ids, tokens, context: int, reps: int, compile_mo
         target.forward, tokens, lambda f, n: static_pass(f, n, static), compile_mode
     )
     curves["compiled"] = median_in_turn(lambda n: static_pass(compiled[n], n, static), tokens, reps)
+    with packed_linears(target, rows=8):  # the packed products as one op each in the graph (`packed_linear`)
+        packed, packed_compile_seconds = compile_each(
+            target.forward, tokens, lambda f, n: static_pass(f, n, static), compile_mode
+        )
+        curves["compiled packed"] = median_in_turn(lambda n: static_pass(packed[n], n, static), tokens, reps)
     decode_by_slots, slot_compile_seconds = {}, {}
     for count in slot_counts:
         cache = prefilled_static(count)
@@ -180,6 +187,7 @@ def target_curves(target, layer_ids, tokens, context: int, reps: int, compile_mo
     return {
         "seconds": curves,
         "compile_seconds": compile_seconds,
+        "compile_seconds_packed": packed_compile_seconds,
         "static_slots": slots,
         "compiled_decode_by_slots": decode_by_slots,
         "compiled_decode_by_slots_compile_seconds": slot_compile_seconds,

@@ -95,6 +95,15 @@ def report_settings(
     }
 
 
+def room_for_every_graph(limit: int = 64):
+    """Dynamo's recompile limit raised for a run whose compiled methods share the target's compiled call: each
+    method, width and static cache length is a graph of the same frame, and past the limit (8 in torch 2.13) the
+    later ones would run eager unannounced and be timed as compiled."""
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(recompile_limit=max(limit, torch._dynamo.config.recompile_limit))
+
+
 def run_bench(
     target: str,
     drafter: str,
@@ -139,7 +148,7 @@ def run_bench(
     prompts_run = {name: [len(records), pool_sizes[name]] for name, records in prompt_sets.items()}
     # One writer per folder, and the lock file is the write probe: a second bench into OUT, or an OUT that
     # cannot be written, is refused before any model loads (both used to lose the run at the end).
-    with folder_lock(out, "bench --out"):
+    with folder_lock(out, "bench --out"), room_for_every_graph():
         models, alt_target, dtypes = load_run_models(options, block_size_policy)
         options["device"] = str(models.target.device)
         dtype_note = describe_dtype(dtype, models.target.device)

@@ -17,8 +17,11 @@
              multiple of 256 slots (a step attends over every slot: SmolLM2's fp32 compiled step costs 66 ms
              over 512 slots, 100 over 2,048); each length is a graph, compiled by an untimed warm-up call
              the first time it comes (reported apart), never by a timed one
+    plain-packed-compiled  plain-packed with the same StaticCache and `compile_config` (the packed products
+             reach the compiled step as one op each, `hf_dflash.packed_linears.packed_linear`)
     dflash-compiled  dflash with the same StaticCache and `compile_config`: our loop compiles its verification
-             forward (one width per call: shorter rounds padded), the prefill stays eager
+             forward (one width per call: shorter rounds padded; its linear layers packed where that pays, as
+             eager rounds are), the prefill stays eager
 The baseline is the fastest of the plain decodings that ran, so no speed-up is bought with a slow baseline.
 
 Acceptance lengths (tokens committed per verification round, bonus token included): our loop reports
@@ -65,13 +68,22 @@ __all__ = [
 
 EAGER_METHODS = ("plain", "dflash", "builtin", "lookup", "tree", "hybrid", "hybrid-tree", "plain-alt", "plain-packed")
 # StaticCache + compile_config (`compiled_generate_kwargs`), compiled in the warm-up: X-compiled runs X compiled
-COMPILED_METHODS = ("plain-compiled", "dflash-compiled", "tree-compiled", "hybrid-compiled", "hybrid-tree-compiled")
+COMPILED_METHODS = (
+    "plain-compiled",
+    "plain-packed-compiled",
+    "dflash-compiled",
+    "tree-compiled",
+    "hybrid-compiled",
+    "hybrid-tree-compiled",
+)
 METHODS = EAGER_METHODS + COMPILED_METHODS
 TREE_SETTING = "auto"  # drafter.draft_tree of the "tree" and "hybrid-tree" methods
 TREE_METHODS = ("tree", "hybrid-tree", "tree-compiled", "hybrid-tree-compiled")  # the drafter drafts its own tree
 HYBRID_METHODS = ("hybrid", "hybrid-tree", "hybrid-compiled", "hybrid-tree-compiled")  # + an n-gram branch, one tree
 OWN_LOOP_METHODS = ("dflash", "dflash-compiled", *TREE_METHODS, *HYBRID_METHODS)  # rounds reported by our loop
-PLAIN_METHODS = ("plain", "plain-alt", "plain-compiled", "plain-packed")  # no drafting: the candidates for the baseline
+# no drafting: the candidates for the baseline
+PLAIN_METHODS = ("plain", "plain-alt", "plain-compiled", "plain-packed", "plain-packed-compiled")
+PACKED_PLAIN_METHODS = ("plain-packed", "plain-packed-compiled")  # plain decoding inside `packed_linears(target)`
 PROMPT_LOOKUP_NUM_TOKENS = 10
 
 
@@ -209,7 +221,7 @@ def static_cache_slots(method: str, drafter, prompt_length: int, max_new_tokens:
     verifies (room for a padded last round; trees and hybrid need it for every tree), rounded up to
     `STATIC_SLOT_MULTIPLE`. Each length is a graph."""
     base = eager_method(method)
-    if base == "plain":
+    if base in ("plain", "plain-packed"):
         return static_slots(prompt_length + max_new_tokens)
     block = drafter.config.block_size
     nodes = max(AUTO_MAX_NODES, block) if base in TREE_METHODS else block
@@ -228,7 +240,7 @@ def generate_with(
     # Only the methods whose rounds are read off the forwards pay for the hook (a few µs per forward).
     recorder = ForwardRecorder(target) if method in ("builtin", "lookup") else nullcontext()
     timer = ForwardTimer(target) if method in (*HYBRID_METHODS, *TREE_METHODS) else nullcontext()
-    packing = packed_linears(target) if method == "plain-packed" else nullcontext()
+    packing = packed_linears(target) if method in PACKED_PLAIN_METHODS else nullcontext()
     tree_setting = getattr(drafter, "draft_tree", None) if drafter is not None else None
     if drafter is not None:  # only the tree methods draft trees
         drafter.draft_tree = TREE_SETTING if method in TREE_METHODS else None

@@ -73,7 +73,7 @@ def dflash_decoding(
     cache = model_kwargs.get(cache_key)
     check_cache(cache, assistant_model, generation_config, input_ids)
     cache.activate_past_recording()  # sliding-window layers must be able to roll back rejected drafts
-    with torch.no_grad(), loop_linear_packing(model, assistant_model, generation_config, model_kwargs):
+    with torch.no_grad(), loop_linear_packing(model, assistant_model):
         loop = DecodingLoop(model, assistant_model, logits_processor, stopping_criteria, generation_config, streamer)
         sequences = loop.run(input_ids, cache_key, model_kwargs)
     assistant_model.last_acceptance = loop.stats

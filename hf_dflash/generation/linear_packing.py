@@ -4,12 +4,12 @@
     drafter.linear_packing = True     # pack whatever can be packed (CPU, float32/bfloat16)
     drafter.linear_packing = False    # the default aten path
 
-Only eager calls are packed: a compiled verification (a static cache with `compile_config`) keeps the graph
-inductor built. The packs are laid out for 8 rows (`PACK_ROWS`, a chain's verification), whatever the width: a
-pack serves every row count, and one layout per layer is kept across calls (plain decoding inside
-`packed_linears(target)` shares it; a pack made for 1 row ran plain decoding no faster). "auto" packs each model
-from the fewest rows its timed layer stack pays from (`packing_floor`: on an Intel Xeon fp32 products of 1-2 rows
-stay with MKL). The cost model that
+Compiled verification (a static cache with `compile_config`) is packed too: its graph calls the packed product
+as one opaque op (`packed_linear`), built with the packs the call made on entry. The packs are laid out for 8 rows
+(`PACK_ROWS`, a chain's verification), whatever the width: a pack serves every row count, and one layout per
+layer is kept across calls (plain decoding inside `packed_linears(target)` shares it; a pack made for 1 row ran
+plain decoding no faster). "auto" packs each model from the fewest rows its timed layer stack pays from
+(`packing_floor`: on an Intel Xeon fp32 products of 1-2 rows stay with MKL). The cost model that
 sizes trees and hybrid budgets is timed inside the same setting; its cache key says whether the target was packed.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 from ..modeling_dflash import DFlashDraftModel
 from ..packed_linears import PACK_ROWS, packable_layers, packed_linears, packing_floor
@@ -35,12 +35,10 @@ def linear_packing_setting(drafter: DFlashDraftModel):
     return setting
 
 
-def loop_linear_packing(
-    target: PreTrainedModel, drafter: DFlashDraftModel, generation_config: GenerationConfig, model_kwargs: dict
-) -> AbstractContextManager:
+def loop_linear_packing(target: PreTrainedModel, drafter: DFlashDraftModel) -> AbstractContextManager:
     """The context a DFlash call runs in: its models' linear layers packed, or nothing to do."""
     setting = linear_packing_setting(drafter)
-    if setting is False or target._valid_auto_compile_criteria(model_kwargs, generation_config):
+    if setting is False:
         return nullcontext(0)
     floors = {model: 1 if setting is True else packing_floor(model, PACK_ROWS) for model in (target, drafter)}
     if (
