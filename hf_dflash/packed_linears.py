@@ -98,7 +98,11 @@ def packed_forward(layer: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
         return nn.Linear.forward(layer, hidden)
     if torch.compiler.is_compiling():  # the pack made on entering `packed_linears`, through an op inductor keeps
         return packed_linear(hidden, layer.__dict__[PACK_ATTRIBUTE][2], bias, layer.out_features)
-    packed = packed_weight(layer, layer.__dict__[PACKED_ROWS])
+    return onednn_product(hidden, packed_weight(layer, layer.__dict__[PACKED_ROWS]), bias)
+
+
+def onednn_product(hidden: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """(..., in) -> (..., out): oneDNN's linear over a weight `packed` by `packed_weight`."""
     return torch.ops.mkldnn._linear_pointwise(hidden, packed, bias, "none", [], "")
 
 
@@ -109,7 +113,7 @@ def packed_linear(
     """(..., in) -> (..., out_features) through a weight `packed` by `packed_weight`, as one opaque op: inductor
     lowers oneDNN's linear only over weights it froze itself (torch 2.13 asserts the weight is a graph constant),
     so a compiled graph calls the packed product through this op instead."""
-    return torch.ops.mkldnn._linear_pointwise(hidden, packed, bias, "none", [], "")
+    return onednn_product(hidden, packed, bias)
 
 
 @packed_linear.register_fake
@@ -174,7 +178,7 @@ def stack_seconds(layers: list[nn.Linear], hiddens: dict[int, torch.Tensor], pac
         hidden = hiddens[layer.in_features]
         if pack_rows is not None:
             pack = packed_weight(layer, pack_rows)
-            torch.ops.mkldnn._linear_pointwise(hidden, pack, layer.bias, "none", [], "")
+            onednn_product(hidden, pack, layer.bias)
         else:
             nn.functional.linear(hidden, layer.weight, layer.bias)
     return time.perf_counter() - start
