@@ -164,6 +164,37 @@ def test_corrupt_cost_model_cache_is_measured_again(tmp_path, content):
     assert measured_cost_model(target, drafter, (1,), tmp_path, measure) == model and measure.calls == [1]
 
 
+@pytest.mark.parametrize("timed_together", [False, True])
+def test_a_cached_model_whose_two_timings_of_one_forward_disagree_is_timed_again(tmp_path, timed_together):
+    """A round of block length 1 and a verification pass of 1 token are the same forward, timed at different
+    times: a file where one is 1.5x the other was partly timed while something else ran, and is timed again
+    (both tables, in one go: then a disagreement is the machine's own and the file is kept)."""
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=4)
+    measure, verify_calls = FakeMeasure(), []
+
+    def measure_verification(target, drafter, rows, lengths):
+        verify_calls.append(rows)
+        return [rows * LINEAR_COST(n) for n in lengths]
+
+    kwargs = dict(measure=measure, verification=True, measure_verification=measure_verification)
+    model = measured_cost_model(target, drafter, (1,), tmp_path, **kwargs)
+    assert measure.calls == verify_calls == [1]
+    path = cost_model_path(cost_model_key(target, drafter), tmp_path)
+    data = json.loads(path.read_text())
+    assert data["timed_together"] is True
+    data["verification_seconds"]["1"] = [3 * s for s in data["verification_seconds"]["1"]]  # timed under load
+    data["timed_together"] = timed_together
+    path.write_text(json.dumps(data))
+    if timed_together:
+        assert measured_cost_model(target, drafter, (1,), tmp_path, **kwargs) != model  # kept as the machine's
+        assert measure.calls == verify_calls == [1]
+        return
+    with pytest.warns(UserWarning, match="timed while something else ran"):
+        assert measured_cost_model(target, drafter, (1,), tmp_path, **kwargs) == model
+    assert measure.calls == verify_calls == [1, 1]
+
+
 def test_unwritable_cost_model_cache_only_warns(tmp_path):
     not_a_folder = tmp_path / "file"
     not_a_folder.write_text("")
@@ -580,3 +611,28 @@ def test_timed_rounds_fall_back_to_plain_steps_where_drafting_does_not_pay(monke
     assert chosen[-3:] == [1, 1, 1]  # 2 tokens per 5 s lose to 1 token per second
     uncalibrated = adaptive.AdaptiveController(adaptive.AdaptiveBlockSize(), 4, 1, cost)
     assert [uncalibrated.choose([0]) for _ in range(3)] == [4, 4, 4] and uncalibrated.measured == {}
+
+
+def test_a_model_that_overprices_drafting_is_corrected_by_one_timed_block(monkeypatch):
+    """A measured cost model can be wrong (timed while something else ran): one pricing drafting rounds 10x
+    dearer than they are would choose plain steps from the first round and never time a drafting round to
+    correct itself. Until a drafting round is timed, the calibrating controller drafts whole blocks."""
+    import hf_dflash.generation.adaptive as adaptive
+
+    cost = CostModel.from_function(lambda k: 1.0 if k == 1 else 20.0, 4)  # drafting priced at 20 s a round
+    controller = adaptive.AdaptiveController(adaptive.AdaptiveBlockSize(), 4, 1, cost, calibrate=True)
+    now = [0.0]
+
+    def clock():  # a drafting round really takes 2 s, a plain step 1 s
+        if controller.pending is not None:
+            now[0] += 2.0 if controller.pending[1] > 1 else 1.0
+        return now[0]
+
+    monkeypatch.setattr(adaptive.time, "perf_counter", clock)
+    chosen = []
+    for _ in range(6):
+        chosen.append(controller.choose([0]))
+        controller.observe([0], chosen[-1] - 1, torch.tensor([chosen[-1] - 1]))  # every draft accepted
+    assert chosen == [4] * 6  # 4 tokens per 2 s beat 1 per second once a block was timed
+    uncorrected = adaptive.AdaptiveController(adaptive.AdaptiveBlockSize(), 4, 1, cost)  # a given model: as given
+    assert uncorrected.choose([0]) == 1

@@ -168,12 +168,19 @@ def test_copy_estimates_keep_unreached_slots_at_the_prior():
 
 
 def test_fixed_verification_cost_keeps_drafting_and_flattens_verification():
-    """Compiled rounds verify one width: round(k) = drafting(k) + verify(width), verify(n) = verify(width)."""
+    """Compiled rounds of drafts verify one width: round(k) = drafting(k) + verify(width), verify(n) = verify(width)
+    for n >= 2; a plain step (k = 1, one token) runs its own width-1 graph and keeps its cost."""
     cost = CostModel.from_function(lambda k: 0.1 * k + (0.01 if k > 1 else 0), 8, verification=lambda n: 0.1 * n)
     fixed = cost.at_fixed_verification(8)
     rounds = fixed.round_seconds(1, 8)
-    assert torch.allclose(rounds, torch.tensor([0.8] + [0.81] * 7, dtype=torch.float64))
-    assert torch.allclose(fixed.verification_seconds_per_length(1, 16), torch.full((16,), 0.8, dtype=torch.float64))
+    assert torch.allclose(rounds, torch.tensor([0.1] + [0.81] * 7, dtype=torch.float64))
+    verify = fixed.verification_seconds_per_length(1, 16)
+    assert torch.allclose(verify, torch.tensor([0.1] + [0.8] * 15, dtype=torch.float64))
+    # a hybrid round: a plain step alone keeps its cost, any round with drafts verifies the fixed width
+    trees = fixed.tree_round_seconds(1, 8, 4)
+    assert torch.isclose(trees[0, 0], torch.tensor(0.1, dtype=torch.float64))
+    assert torch.allclose(trees[0, 1:], torch.full((4,), 0.8, dtype=torch.float64))
+    assert torch.allclose(trees[1:], torch.full((7, 5), 0.81, dtype=torch.float64))
     with pytest.raises(ValueError, match="verification=True"):
         CostModel.from_function(lambda k: 0.1 * k, 8).at_fixed_verification(8)
     # a hybrid budget under compiled verification follows the width of a one-size tree once it is chosen

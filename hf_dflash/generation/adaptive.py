@@ -239,6 +239,10 @@ class AdaptiveController:
             self.successes[index], self.trials[index], self.policy.prior, self.policy.prior_weight
         )
         k = best_block_size(expected_tokens(p), seconds)
+        if self.calibrate and not any(timed >= 2 for timed in self.measured.get(len(rows), {})):
+            # No drafting round timed yet in this call: draft a whole block, whatever the model says, so that its
+            # drafting rounds are calibrated (a model that overprices them would otherwise never be corrected).
+            k = self.max_block_size
         self.pending = (len(rows), k, now)
         return k
 

@@ -98,11 +98,12 @@ class CostModel:
         return rounds[:, None] + verify[nodes - 1] - verify[nodes[:, :1] - 1]
 
     def at_fixed_verification(self, width: int) -> CostModel:
-        """The same rounds when every verification pass reads `width` tokens, as compiled verification does
-        (one input shape: shorter rounds are padded): verify(n) = verify(width) for every n, and a round of
-        block length k costs its drafting (round(k) - verify(k), at least 0) + verify(width). With this
-        cost, a longer block or a larger tree costs only its drafter pass. Needs measured verification
-        passes (`measured_cost_model(..., verification=True)`)."""
+        """The same rounds when every verification pass of drafts reads `width` tokens, as compiled verification
+        does (one input shape: shorter rounds are padded): verify(n) = verify(width) for every n >= 2, and a round
+        of block length k >= 2 costs its drafting (round(k) - verify(k), at least 0) + verify(width). With this
+        cost, a longer block or a larger tree costs only its drafter pass. A plain step (k = 1, one token, no
+        drafts) keeps its own cost: compiled verification runs it as its own graph of width 1, as plain decoding
+        does. Needs measured verification passes (`measured_cost_model(..., verification=True)`)."""
         if not self.has_verification:
             raise ValueError(
                 "CostModel.at_fixed_verification needs the verification pass timed alone: measure the cost model "
@@ -113,8 +114,11 @@ class CostModel:
             verify = self.verification_seconds_per_length(rows, max(width, *self.block_lengths))
             fixed = float(verify[width - 1])
             rounds = interpolated(self.block_lengths, self.seconds, rows, self.block_lengths[-1])
-            seconds[rows] = tuple(max(float(rounds[k - 1] - verify[k - 1]), 0.0) + fixed for k in self.block_lengths)
-            verification[rows] = (fixed,) * len(self.verification_lengths)
+            seconds[rows] = tuple(
+                float(rounds[0]) if k == 1 else max(float(rounds[k - 1] - verify[k - 1]), 0.0) + fixed
+                for k in self.block_lengths
+            )
+            verification[rows] = tuple(float(verify[0]) if n == 1 else fixed for n in self.verification_lengths)
         return CostModel(self.block_lengths, seconds, self.verification_lengths, verification)
 
     def to_dict(self) -> dict:

@@ -206,12 +206,32 @@ def read_cost_model(
         model = CostModel.from_dict(data)
         if model.block_lengths != tuple(block_lengths):
             raise ValueError(f"it holds block lengths {model.block_lengths}, not {tuple(block_lengths)}")
+        if not data.get("timed_together", False):
+            check_consistent(model)
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as error:
         warnings.warn(f"Ignoring the DFlash cost model cache {path} ({error}); measuring again.", stacklevel=3)
         return None
     if model.has_verification and not set(verified) <= set(model.verification_lengths):
         model = CostModel(model.block_lengths, model.seconds)  # measured again, over the larger set
     return model
+
+
+TIMING_DISAGREEMENT = 1.5  # most a cached model's two timings of one forward may differ before it is re-timed
+
+
+def check_consistent(model: CostModel) -> None:
+    """ValueError when the model's two timings of the same forward disagree: a round of block length 1 is one
+    target forward over 1 token, as is a verification pass of 1 token; the two are timed at different times
+    (verification when a call first needs it), so one that is `TIMING_DISAGREEMENT`x the other was taken while
+    something else ran on the machine, and would misprice every round after it. A cache file is checked unless
+    both were timed in one go (`timed_together`: then the disagreement is the machine's)."""
+    for rows in set(model.seconds) & set(model.verification_seconds):
+        step, verify = model.seconds[rows][0], model.verification_seconds[rows][0]
+        if max(step, verify) > TIMING_DISAGREEMENT * min(step, verify):
+            raise ValueError(
+                f"its 1-token forward of {rows} row(s) was timed {1000 * step:.1f} ms in a round and "
+                f"{1000 * verify:.1f} ms alone: timed while something else ran"
+            )
 
 
 def measured_cost_model(
@@ -250,8 +270,11 @@ def measured_cost_model(
         logger.info("Timing verification passes of %d row(s) over %s tokens (cached in %s).", count, verified, path)
         verification_seconds[count] = tuple(measure_verification(target, drafter, count, verified))
     model = CostModel(lengths, seconds, verified if verification_seconds else (), verification_seconds)
+    together = cached is None and bool(missing_verification)  # both tables timed now, one after the other
     try:
-        write_json_atomic(path, {"format": COST_MODEL_FORMAT, "key": key, **model.to_dict()})
+        write_json_atomic(
+            path, {"format": COST_MODEL_FORMAT, "key": key, "timed_together": together, **model.to_dict()}
+        )
     except OSError as error:  # a read-only cache costs a measurement per call, not the generation
         warnings.warn(f"Could not cache the DFlash cost model in {path} ({error}); set $HF_DFLASH_CACHE.", stacklevel=3)
     return model

@@ -157,6 +157,8 @@ class DecodingLoop:
             slots.prune(index)
             strategy.block.prune(index)
             unread = rows.last_tokens()[:, None]
+            if prefill:  # compiled verification: compile the rounds' graphs now, not inside a timed round
+                check.warm_graphs(len(rows.active))
             unread_mask, prefill = unread.new_ones(unread.shape), False
         if self.streamer is not None:
             self.streamer.end()

@@ -7,7 +7,11 @@ of valid slots) and a 2D mask of the valid slots; a tree (batch 1) sees its cont
 compiled forward at ONE width per call (the strategy's): fewer tokens are padded (`pad_round`; a tree's
 padding nodes hang below its last node), and where trees may come every round goes as a tree (a chain is
 one), so one graph serves the call; a round whose padded width would not fit the static cache runs eager
-instead of compiling a new shape, as do the rounds before a one-size tree has chosen its size.
+instead of compiling a new shape, as do the rounds before a one-size tree has chosen its size. Where the
+strategy may choose a plain step (the bonus token alone: drafting does not pay for this prompt on this machine),
+that step runs its own width-1 graph, as plain decoding's step, not a round padded to the width. Both graphs
+are compiled after the prefill, before the first round (`warm_graphs`): no round whose time the adaptive
+policies learn from holds a compilation.
 """
 
 from __future__ import annotations
@@ -35,25 +39,13 @@ class Verifier:
         parents = proposal.tree.parents if proposal.tree is not None else None
         if not prefill and self.slots.capacity is not None:
             self.slots.make_room(tokens.shape[1], self.strategy.width())
-        forward, padding = self.target, 0
-        if not prefill:
-            forward, tokens, parents, padding = self.shape_round(tokens, parents)
         if prefill:
+            forward, padding = self.target, 0
             model_inputs = self.prefill_inputs(tokens, unread_mask, drafts.shape[1], model_kwargs)
+            model_inputs = self.with_round_extras(model_inputs, parents, drafts.shape[1] + 1)
         else:
-            tokens, mask, positions = self.slots.round_inputs(tokens)
-            model_inputs = self.target.prepare_inputs_for_generation(
-                tokens,
-                attention_mask=mask,
-                position_ids=positions,
-                use_cache=True,
-                **{self.slots.cache_key: self.slots.cache},
-            )
-        if "logits_to_keep" in model_inputs:
-            model_inputs["logits_to_keep"] = drafts.shape[1] + 1 + padding
-        model_inputs |= self.hidden_request
-        if parents is not None:  # each node sees the context and its ancestors, at position root + depth
-            model_inputs |= tree_inputs(self.target, model_inputs, parents, self.slots.length, self.slots.capacity)
+            forward, tokens, parents, padding = self.shape_round(tokens, parents)
+            model_inputs = self.round_inputs(tokens, parents, drafts.shape[1] + 1 + padding)
         outputs = forward(**model_inputs)
         if padding:
             self.slots.cache.crop(-padding)
@@ -65,9 +57,33 @@ class Verifier:
             )
         return outputs
 
+    def round_inputs(self, tokens: torch.LongTensor, parents, logits: int) -> dict:
+        """The target's inputs for a round after the prefill over `tokens` (R, n): each row's positions and valid
+        slots, a tree's mask when `parents` is given, the hidden states the drafter reads, `logits` positions."""
+        tokens, mask, positions = self.slots.round_inputs(tokens)
+        model_inputs = self.target.prepare_inputs_for_generation(
+            tokens,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            **{self.slots.cache_key: self.slots.cache},
+        )
+        return self.with_round_extras(model_inputs, parents, logits)
+
+    def with_round_extras(self, model_inputs: dict, parents, logits: int) -> dict:
+        if "logits_to_keep" in model_inputs:
+            model_inputs["logits_to_keep"] = logits
+        model_inputs |= self.hidden_request
+        if parents is not None:  # each node sees the context and its ancestors, at position root + depth
+            model_inputs |= tree_inputs(self.target, model_inputs, parents, self.slots.length, self.slots.capacity)
+        return model_inputs
+
     def shape_round(self, tokens: torch.LongTensor, parents):
         """(forward, tokens, parents, padding) of a round after the prefill: eager, as it is."""
         return self.target, tokens, parents, 0
+
+    def warm_graphs(self, rows: int) -> None:
+        """Nothing to compile (eager rounds)."""
 
     def prefill_inputs(self, tokens, unread_mask, num_drafts: int, model_kwargs: dict) -> dict:
         """The first forward's inputs as `generate` prepares them, extended over the drafts it verifies (hybrid
@@ -89,8 +105,30 @@ class CompiledVerifier(Verifier):
     def __init__(self, target, slots: TargetSlots, strategy: DraftStrategy, hidden_request: dict, compiled):
         super().__init__(target, slots, strategy, hidden_request)
         self.compiled = compiled
+        self.plain_steps = strategy.takes_plain_steps()
+
+    def warm_graphs(self, rows: int) -> None:
+        """Compile the graphs this call's rounds will run, after the prefill and before the first round is timed:
+        the round padded to the strategy's width (once it is settled) and, where the strategy may choose plain
+        steps, the width-1 step. Each is one forward over placeholder tokens (`rows` (R) active rows) in the slots
+        after the prefill's, cropped back (the first round overwrites them; the outputs are dropped), once per
+        compiled forward and input shape (`warmed_shapes`)."""
+        widths = ([1] if self.plain_steps else []) + ([self.strategy.width()] if self.strategy.width_settled() else [])
+        warmed = warmed_shapes(self.compiled)
+        for width in dict.fromkeys(widths):
+            trees = self.strategy.sends_trees and width > 1
+            key = (width, self.slots.batch_size, self.slots.capacity, trees, repr(self.hidden_request))
+            if key in warmed or not self.slots.fits(width):
+                continue
+            tokens = torch.full((rows, width), self.slots.pad, dtype=torch.long, device=self.slots.mask.device)
+            parents = padded_parents(chain_parents(1), width - 1) if trees else None
+            self.compiled(**self.round_inputs(tokens, parents, width))
+            self.slots.cache.crop(-width)
+            warmed.add(key)
 
     def shape_round(self, tokens: torch.LongTensor, parents):
+        if self.plain_steps and tokens.shape[1] == 1:  # a plain step: its own graph, as plain decoding's
+            return self.compiled, tokens, None, 0
         width = self.strategy.width()
         padding = width - tokens.shape[1]
         # Until a one-size tree ("auto" under compile) has chosen its size, and where the padded round would not
@@ -102,6 +140,13 @@ class CompiledVerifier(Verifier):
         if self.strategy.sends_trees:
             parents = padded_parents(parents or chain_parents(tokens.shape[1] - padding), padding)
         return self.compiled, tokens, parents, padding
+
+
+def warmed_shapes(compiled) -> set:
+    """The input shapes (`CompiledVerifier.warm_graphs`' keys) `compiled` has already run, kept on it."""
+    if not hasattr(compiled, "hf_dflash_warmed_shapes"):
+        compiled.hf_dflash_warmed_shapes = set()
+    return compiled.hf_dflash_warmed_shapes
 
 
 def verifier(target, slots: TargetSlots, strategy: DraftStrategy, hidden_request: dict, compiled) -> Verifier:

@@ -31,6 +31,10 @@ class DraftStrategy(Protocol):
     def width_settled(self) -> bool:
         """False while the width may still change (a one-size tree before its first tree): rounds run eager."""
 
+    def takes_plain_steps(self) -> bool:
+        """Whether a round may verify the bonus token alone (a plain decoding step, chosen where drafting does
+        not pay): compiled verification then runs such rounds through their own width-1 graph."""
+
     def propose(self, rows: Rows, prefill: bool) -> Proposal:
         """The round's drafts for the active rows. The prefill drafts no block (the drafter needs the prompt's
         features first)."""

@@ -30,6 +30,9 @@ class ChainDrafting:
     def width_settled(self) -> bool:
         return True
 
+    def takes_plain_steps(self) -> bool:
+        return not isinstance(self.controller, FixedBlockSize)  # adaptive or scheduled block lengths
+
     def propose(self, rows: Rows, prefill: bool) -> Proposal:
         block_length = 1 if prefill else self.controller.choose(rows.active)
         return self.draft_block(rows, block_length, rows.prefixes())

@@ -57,6 +57,9 @@ class HybridDrafting:
     def width_settled(self) -> bool:
         return self.inner.width_settled()
 
+    def takes_plain_steps(self) -> bool:
+        return self.budget.block is None  # the adaptive budget: a round without an n-gram may skip the block
+
     def propose(self, rows: Rows, prefill: bool) -> Proposal:
         prefixes = rows.prefixes()
         sequence = prefixes[0]
