@@ -590,23 +590,32 @@ def test_calibrated_seconds_substitute_measured_rounds_and_scale_the_drafting_on
     assert calibrated_seconds(modelled, {1: 3.0, 2: 6.0, 4: 4.0}).tolist() == [3.0, 6.0, 6.0, 4.0]  # ratio (3 + 1) / 2
 
 
-def test_timed_rounds_fall_back_to_plain_steps_where_drafting_does_not_pay(monkeypatch):
+def timed_choices(monkeypatch, cost: CostModel, drafting_seconds: float, accepted, rounds: int = 6) -> list[int]:
+    """The block lengths a calibrating controller (B = 4) chooses over `rounds` rounds when a drafting round takes
+    `drafting_seconds` and a plain step 1 s (a fake clock), with `accepted(k)` drafts accepted at block length k."""
     import hf_dflash.generation.adaptive as adaptive
 
-    cost = CostModel.from_function(lambda k: 1.0 + 0.01 * k, 4)  # drafting looks nearly free
     controller = adaptive.AdaptiveController(adaptive.AdaptiveBlockSize(), 4, 1, cost, calibrate=True)
     now = [0.0]
 
-    def clock():  # a drafting round takes 5 s, a plain step 1 s
+    def clock():
         if controller.pending is not None:
-            now[0] += 5.0 if controller.pending[1] > 1 else 1.0
+            now[0] += drafting_seconds if controller.pending[1] > 1 else 1.0
         return now[0]
 
     monkeypatch.setattr(adaptive.time, "perf_counter", clock)
     chosen = []
-    for _ in range(6):
+    for _ in range(rounds):
         chosen.append(controller.choose([0]))
-        controller.observe([0], chosen[-1] - 1, torch.tensor([1 if chosen[-1] > 1 else 0]))  # one draft accepted
+        controller.observe([0], chosen[-1] - 1, torch.tensor([accepted(chosen[-1])]))
+    return chosen
+
+
+def test_timed_rounds_fall_back_to_plain_steps_where_drafting_does_not_pay(monkeypatch):
+    import hf_dflash.generation.adaptive as adaptive
+
+    cost = CostModel.from_function(lambda k: 1.0 + 0.01 * k, 4)  # drafting looks nearly free
+    chosen = timed_choices(monkeypatch, cost, 5.0, lambda k: 1 if k > 1 else 0)  # one draft accepted, in 5 s
     assert chosen[0] == 4  # optimistic prior, modelled costs
     assert chosen[-3:] == [1, 1, 1]  # 2 tokens per 5 s lose to 1 token per second
     uncalibrated = adaptive.AdaptiveController(adaptive.AdaptiveBlockSize(), 4, 1, cost)
@@ -614,25 +623,13 @@ def test_timed_rounds_fall_back_to_plain_steps_where_drafting_does_not_pay(monke
 
 
 def test_a_model_that_overprices_drafting_is_corrected_by_one_timed_block(monkeypatch):
-    """A measured cost model can be wrong (timed while something else ran): one pricing drafting rounds 10x
-    dearer than they are would choose plain steps from the first round and never time a drafting round to
+    """A measured cost model can be wrong (timed while something else ran): one pricing drafting rounds 20x
+    dearer than plain steps would choose plain steps from the first round and never time a drafting round to
     correct itself. Until a drafting round is timed, the calibrating controller drafts whole blocks."""
     import hf_dflash.generation.adaptive as adaptive
 
     cost = CostModel.from_function(lambda k: 1.0 if k == 1 else 20.0, 4)  # drafting priced at 20 s a round
-    controller = adaptive.AdaptiveController(adaptive.AdaptiveBlockSize(), 4, 1, cost, calibrate=True)
-    now = [0.0]
-
-    def clock():  # a drafting round really takes 2 s, a plain step 1 s
-        if controller.pending is not None:
-            now[0] += 2.0 if controller.pending[1] > 1 else 1.0
-        return now[0]
-
-    monkeypatch.setattr(adaptive.time, "perf_counter", clock)
-    chosen = []
-    for _ in range(6):
-        chosen.append(controller.choose([0]))
-        controller.observe([0], chosen[-1] - 1, torch.tensor([chosen[-1] - 1]))  # every draft accepted
+    chosen = timed_choices(monkeypatch, cost, 2.0, lambda k: k - 1)  # every draft accepted, in 2 s
     assert chosen == [4] * 6  # 4 tokens per 2 s beat 1 per second once a block was timed
     uncorrected = adaptive.AdaptiveController(adaptive.AdaptiveBlockSize(), 4, 1, cost)  # a given model: as given
     assert uncorrected.choose([0]) == 1
