@@ -11,7 +11,7 @@ import torch
 
 from hf_dflash.bench import METHODS, generate_with, load_prompt_sets, run_bench
 from hf_dflash.bench.card import divergence_note
-from hf_dflash.bench.methods import COMPILED_METHODS, PLAIN_METHODS, ForwardRecorder, eager_method
+from hf_dflash.bench.methods import COMPILED_METHODS, EAGER_METHODS, PLAIN_METHODS, ForwardRecorder, eager_method
 from hf_dflash.bench.report import format_table
 from hf_dflash.bench.runner import rotated
 from hf_dflash.cli import main
@@ -258,10 +258,13 @@ def test_bad_inputs_are_named(folders, tmp_path, capsys):
 
 @pytest.mark.real_model
 def test_smollm2_smoke_on_one_gsm8k_prompt(real_target, tmp_path):
+    """Every eager method and one compiled one on the real target (the tiny-model bench above runs every compiled
+    method: each compiles the target again, ~10 s apiece here, several times that on a CPU without native bf16)."""
     report = run_bench(
         "smollm2-135m-instruct",
         "random",
         sets=["gsm8k"],
+        methods=[*EAGER_METHODS, "dflash-compiled"],
         num_prompts=1,
         max_new_tokens=16,
         dtype="float32",

@@ -13,6 +13,7 @@ from hf_dflash.generation.tree import best_first_tree_by
 from hf_dflash.modeling_dflash.custom_generate import dflash_decoding
 from hf_dflash.modeling_dflash.modeling_dflash import unary_top_k
 from tests.conftest import make_target
+from tests.helpers.compiled import WidthSpy, compiled_dflash
 from tests.helpers.generation import (
     ALPHA,
     check_sampled_second_token,
@@ -23,7 +24,6 @@ from tests.helpers.generation import (
     unpadded,
 )
 from tests.helpers.hybrid import prompt as repeating_prompt
-from tests.test_generation_compiled import WidthSpy, compiled_dflash
 
 DFLASH2 = dict(conv_kernel_size=2, conv_group_size=8, selector_rank=6, selector_top_k=4)
 

@@ -174,7 +174,7 @@ def test_a_compiled_forward_runs_the_packed_products_in_one_graph():
 
 def test_compiled_dflash_with_packed_layers_matches_plain_greedy():
     """Compiled verification (static cache + compile_config, inductor) runs packed, and stays lossless."""
-    from tests.test_generation_compiled import compiled_dflash
+    from tests.helpers.compiled import compiled_dflash
 
     target = make_target("llama")
     drafter = make_drafter(target, block_size=4)
