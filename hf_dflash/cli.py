@@ -253,15 +253,16 @@ def _run_prepare_data(args: argparse.Namespace) -> int:
 
 def register_prepare_data(subparsers) -> None:
     from .data.regenerate import DEFAULT_REGENERATION_BATCH, DEFAULT_REGENERATION_SHARD
-    from .data.sources import TRAIN_SOURCES
+    from .data.sources import DEFAULT_TRAIN_SOURCES, TRAIN_SOURCES
     from .modeling_dflash import DFlashConfig
 
     parser = _command(subparsers, "prepare-data", _run_prepare_data)
     parser.add_argument("--out", required=True, help="output folder (created, or resumed)")
     parser.add_argument(
         "--sources",
-        default=",".join(TRAIN_SOURCES),
-        help="comma-separated training sources, from: %(default)s (default: all; '' for only --prompts)",
+        default=",".join(DEFAULT_TRAIN_SOURCES),
+        help=f"comma-separated training sources, from: {','.join(TRAIN_SOURCES)} (default: %(default)s; '' for only "
+        "--prompts)",
     )
     parser.add_argument(
         "--prompts", default=None, help='your JSONL prompts: {"prompt": str} or {"messages": [...]} per line'

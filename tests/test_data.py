@@ -49,8 +49,43 @@ def test_each_source_loads_records_with_the_expected_fields(name):
         assert record["messages"] and all(m["role"] == "user" and m["content"].strip() for m in record["messages"])
         if name in ("gsm8k", "math", "gsm8k-test", "math500"):
             assert record["messages"][0]["content"].endswith("\n" + sources.MATH_INSTRUCTION)
-    if name == "mt-bench":
+    if name in ("mt-bench", "sharegpt-turns"):
         assert all(len(record["messages"]) == 2 for record in records)
+
+
+def test_sharegpt_turns_takes_the_first_two_user_turns_of_well_formed_conversations(tmp_path, monkeypatch):
+    conversations = [
+        {"id": "a", "conversations": [{"from": "human", "value": "Write a poem."}, {"from": "gpt", "value": "..."},
+                                      {"from": "human", "value": "Make it shorter."}, {"from": "gpt", "value": "."},
+                                      {"from": "human", "value": "A third turn is left out."}]},
+        {"id": "b", "conversations": [{"from": "human", "value": "One turn only."}, {"from": "gpt", "value": "."}]},
+        {"id": "c", "conversations": [{"from": "gpt", "value": "A continuation piece."},
+                                      {"from": "human", "value": "x"}, {"from": "gpt", "value": "y"}]},
+        {"id": "d", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "."},
+                                      {"from": "human", "value": "  "}]},
+        {"id": "e", "conversations": [{"from": "human", "value": "Hi"}, {"from": "human", "value": "again"},
+                                      {"from": "human", "value": "?"}]},
+        {"id": "f", "conversations": [{"from": "human", "value": "Fix this."}, {"from": "gpt", "value": "."},
+                                      {"from": "human", "value": "Still fails."}]},
+    ]  # fmt: skip
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(conversations)[:-40])  # the packaged file is truncated mid-item too
+    monkeypatch.setattr(sources, "locate", lambda name: path)
+    records = sources.load_source("sharegpt-turns")
+    assert records == [
+        {
+            "id": "sharegpt-turns:a",
+            "source": "sharegpt-turns",
+            "messages": [{"role": "user", "content": "Write a poem."}, {"role": "user", "content": "Make it shorter."}],
+        },
+    ]  # fmt: skip  (f is the truncated item; b-e lack a (user, assistant, user) start)
+    assert [r["id"] for r in sources.load_source("sharegpt")] == [
+        "sharegpt:a",
+        "sharegpt:b",
+        "sharegpt:d",
+        "sharegpt:e",
+    ]
+    assert len(sources.load_source("sharegpt-turns", limit=0)) == 0
 
 
 @pytest.mark.real_model

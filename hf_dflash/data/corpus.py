@@ -28,7 +28,7 @@ from pathlib import Path
 from ..json_files import write_atomic
 from ..packaged_files import file_sha256
 from .shards import check_stage_config, write_jsonl_atomic
-from .sources import TEMPLATE_PHRASES, TRAIN_SOURCES, load_eval_suite, load_source
+from .sources import DEFAULT_TRAIN_SOURCES, TEMPLATE_PHRASES, TRAIN_SOURCES, load_eval_suite, load_source
 
 __all__ = [
     "NGRAM",
@@ -207,7 +207,7 @@ def read_prompts_file(path: str | Path, require_prompts: bool = False) -> list[d
 
 def build_corpus(
     out_dir: str | Path,
-    sources: Sequence[str] = tuple(TRAIN_SOURCES),
+    sources: Sequence[str] = DEFAULT_TRAIN_SOURCES,
     prompts_file: str | Path | None = None,
     max_prompts: int | None = None,
     seed: int = 0,

@@ -22,7 +22,7 @@ from ..output_paths import check_output_folder
 from ..targets import DEFAULT_TARGET, load_target
 from .corpus import build_corpus
 from .regenerate import DEFAULT_REGENERATION_BATCH, DEFAULT_REGENERATION_SHARD, regenerate_responses
-from .sources import TRAIN_SOURCES
+from .sources import DEFAULT_TRAIN_SOURCES
 from .tokenize import tokenize_responses
 
 __all__ = ["prepare_data"]
@@ -48,7 +48,7 @@ def check_prepare_settings(**settings) -> None:
 def prepare_data(
     out_dir: str | Path,
     *,
-    sources: Sequence[str] = tuple(TRAIN_SOURCES),
+    sources: Sequence[str] = DEFAULT_TRAIN_SOURCES,
     prompts_file: str | Path | None = None,
     max_prompts: int | None = None,
     target: str = DEFAULT_TARGET,

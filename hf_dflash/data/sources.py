@@ -30,6 +30,7 @@ from .writing_prompts import NUM_WRITING_PROMPTS, writing_prompt
 
 __all__ = [
     "DATA_FILES",
+    "DEFAULT_TRAIN_SOURCES",
     "EVAL_SOURCES",
     "HUMANEVAL_INSTRUCTION",
     "MATH_INSTRUCTION",
@@ -249,25 +250,53 @@ def math_prompt(question: str) -> str:
 # --- training prompt sources ---
 
 
-def load_sharegpt(limit: int | None = None) -> list[dict]:
-    """First user turn of each ShareGPT V3 conversation that starts with one.
+def sharegpt_conversations():
+    """Each ShareGPT V3 conversation's turns (`[{"from", "value"}, ...]`), in file order.
 
     The packaged file is truncated mid-item, so it is decoded item by item (`raw_decode`) until the
-    first item that does not parse; conversations that start with an assistant turn are continuation
-    pieces of split conversations and are skipped.
-    """
+    first item that does not parse. Yields (conversation id, turns)."""
     text = locate("sharegpt").read_text(encoding="utf-8")
     decoder, separators = json.JSONDecoder(), re.compile(r"[\s,]*")
-    position, records = text.index("[") + 1, []
-    while limit is None or len(records) < limit:
+    position = text.index("[") + 1
+    while True:
         position = separators.match(text, position).end()
         try:
             item, position = decoder.raw_decode(text, position)
         except json.JSONDecodeError:  # the truncated last item (or the closing bracket)
+            return
+        yield item["id"], item.get("conversations") or []
+
+
+def user_turn(turn: dict) -> str | None:
+    """The text of a user ("human") turn with content, else None."""
+    value = turn.get("value")
+    return value if turn.get("from") in ("human", "user") and isinstance(value, str) and value.strip() else None
+
+
+def load_sharegpt(limit: int | None = None) -> list[dict]:
+    """First user turn of each ShareGPT V3 conversation that starts with one (conversations that start
+    with an assistant turn are continuation pieces of split conversations and are skipped)."""
+    records = []
+    for key, turns in sharegpt_conversations():
+        if limit is not None and len(records) >= limit:
             break
-        turns = item.get("conversations") or []
-        if turns and turns[0].get("from") in ("human", "user") and turns[0].get("value", "").strip():
-            records.append(record("sharegpt", item["id"], turns[0]["value"]))
+        if turns and user_turn(turns[0]):
+            records.append(record("sharegpt", key, user_turn(turns[0])))
+    return records
+
+
+def load_sharegpt_turns(limit: int | None = None) -> list[dict]:
+    """The first two user turns of each ShareGPT V3 conversation that has them in order (user, assistant,
+    user): a two-turn chat whose second request follows up on the first (rewrite it, shorten it, fix the
+    error, add a feature). The assistant's reply in between is the target's own, regenerated, never the
+    data's; only the user text is taken."""
+    records = []
+    for key, turns in sharegpt_conversations():
+        if limit is not None and len(records) >= limit:
+            break
+        if len(turns) >= 3 and turns[1].get("from") in ("gpt", "assistant") and user_turn(turns[0]):
+            if user_turn(turns[2]):
+                records.append(record("sharegpt-turns", key, user_turn(turns[0]), user_turn(turns[2])))
     return records
 
 
@@ -441,6 +470,7 @@ def load_writingbench(limit: int | None = None) -> list[dict]:
 
 TRAIN_SOURCES: dict[str, Callable[..., list[dict]]] = {
     "sharegpt": load_sharegpt,
+    "sharegpt-turns": load_sharegpt_turns,
     "gsm8k": load_gsm8k_train,
     "math": load_math_train,
     "evals": load_openai_evals,
@@ -448,6 +478,9 @@ TRAIN_SOURCES: dict[str, Callable[..., list[dict]]] = {
     "leetcode": load_leetcode,
     "writing": load_writing,  # composed in the package (writing_prompts.py): no data file
 }
+# What `prepare-data` and the recipe read unless told: every source but the two-turn chats, which cost two
+# replies each and repeat the first turn of a `sharegpt` prompt (ask for them with `--sources`).
+DEFAULT_TRAIN_SOURCES = tuple(name for name in TRAIN_SOURCES if name != "sharegpt-turns")
 EVAL_SOURCES: dict[str, Callable[..., list[dict]]] = {
     "gsm8k-test": load_gsm8k_test,
     "math500": load_math500,

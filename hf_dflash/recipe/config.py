@@ -24,7 +24,7 @@ import difflib
 from pathlib import Path
 
 from ..data.regenerate import DEFAULT_REGENERATION_BATCH, DEFAULT_REGENERATION_SHARD
-from ..data.sources import TRAIN_SOURCES
+from ..data.sources import DEFAULT_TRAIN_SOURCES
 from ..targets import KNOWN_TARGETS
 
 __all__ = ["DEFAULTS", "TRAINING_DEFAULTS", "load_recipe_config", "merge_config"]
@@ -35,7 +35,7 @@ DEFAULTS: dict = {
     "dtype": "auto",
     "seed": 0,
     "data": {
-        "sources": list(TRAIN_SOURCES),
+        "sources": list(DEFAULT_TRAIN_SOURCES),
         "prompts": None,
         "max_prompts": None,
         "max_new_tokens": 512,
