@@ -280,8 +280,9 @@ def load_sharegpt(limit: int | None = None) -> list[dict]:
     for key, turns in sharegpt_conversations():
         if limit is not None and len(records) >= limit:
             break
-        if turns and user_turn(turns[0]):
-            records.append(record("sharegpt", key, user_turn(turns[0])))
+        first = user_turn(turns[0]) if turns else None
+        if first:
+            records.append(record("sharegpt", key, first))
     return records
 
 
@@ -294,9 +295,11 @@ def load_sharegpt_turns(limit: int | None = None) -> list[dict]:
     for key, turns in sharegpt_conversations():
         if limit is not None and len(records) >= limit:
             break
-        if len(turns) >= 3 and turns[1].get("from") in ("gpt", "assistant") and user_turn(turns[0]):
-            if user_turn(turns[2]):
-                records.append(record("sharegpt-turns", key, user_turn(turns[0]), user_turn(turns[2])))
+        if len(turns) < 3 or turns[1].get("from") not in ("gpt", "assistant"):
+            continue
+        first, second = user_turn(turns[0]), user_turn(turns[2])
+        if first and second:
+            records.append(record("sharegpt-turns", key, first, second))
     return records
 
 
