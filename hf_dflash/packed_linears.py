@@ -106,19 +106,31 @@ def onednn_product(hidden: torch.Tensor, packed: torch.Tensor, bias: torch.Tenso
     return torch.ops.mkldnn._linear_pointwise(hidden, packed, bias, "none", [], "")
 
 
-@torch.library.custom_op("hf_dflash::packed_linear", mutates_args=())
-def packed_linear(
+# The op a compiled graph calls for a packed product: inductor lowers oneDNN's linear only over weights it froze
+# itself (torch 2.13 asserts the weight is a graph constant), so the graph calls the product through this opaque op
+# instead. Defined with `torch.library.Library` rather than `torch.library.custom_op`, whose Python autograd wrapper
+# costs ~10 us a call under no_grad (2 us this way; 211 calls a SmolLM2 forward: ~2 ms a round; torch 2.13). With no
+# autograd kernel a call that needs gradients fails: `packed_forward` takes the default path there.
+_LIBRARY = torch.library.Library("hf_dflash", "DEF")
+_LIBRARY.define("packed_linear(Tensor hidden, Tensor packed, Tensor? bias, SymInt out_features) -> Tensor")
+
+
+def _packed_linear(
     hidden: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
-    """(..., in) -> (..., out_features) through a weight `packed` by `packed_weight`, as one opaque op: inductor
-    lowers oneDNN's linear only over weights it froze itself (torch 2.13 asserts the weight is a graph constant),
-    so a compiled graph calls the packed product through this op instead."""
+    """(..., in) -> (..., out_features) through a weight `packed` by `packed_weight`."""
     return onednn_product(hidden, packed, bias)
 
 
-@packed_linear.register_fake
+_LIBRARY.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")  # the pack is an MkldnnCPU tensor
+
+
+@torch.library.register_fake("hf_dflash::packed_linear", lib=_LIBRARY)
 def _packed_linear_shape(hidden, packed, bias, out_features):
     return hidden.new_empty(*hidden.shape[:-1], out_features)
+
+
+packed_linear = torch.ops.hf_dflash.packed_linear.default
 
 
 @contextmanager

@@ -3,7 +3,7 @@
 Runs the shipped drafter's compiled loop (StaticCache + `compile_config`, as `hf-dflash bench`'s dflash-compiled)
 on one GSM8K-style prompt, twice untimed (the compile), once timed with forward hooks on the drafter, once under
 cProfile, and prints per round: the whole round, the compiled verification call, the packed products inside it
-(oneDNN's `_linear_pointwise`) and the dispatch of the op that carries them into the graph
+(oneDNN's `_linear_pointwise`) and the Python kernel of the op that carries them into the graph
 (`hf_dflash::packed_linear`), the drafter's forward, and what is left (the loop's own work).
 
     python benchmarks/generation/compiled_round_profile.py --dtype bfloat16 --out out/compiled_round_profile.json
@@ -34,7 +34,7 @@ PROMPT = (
 PROFILE_ROWS = (
     ("compiled verification call", "_inductor/output_code.py", "__call__"),
     ("packed products (oneDNN)", "~", "torch._ops.mkldnn._linear_pointwise"),
-    ("packed op incl. its dispatch", "~", "torch._ops.hf_dflash."),
+    ("packed op's Python kernel", "packed_linears.py", "_packed_linear"),
     ("drafting (chain propose)", "generation/strategies/chain.py", "propose"),
 )
 
