@@ -36,7 +36,8 @@ V1 = dict(
     max_position_embeddings=256,
 )
 V2_FIELDS = dict(conv_kernel_size=2, conv_group_size=8, selector_rank=6, selector_top_k=3)
-SHIPPED = Path(__file__).resolve().parent.parent / "models" / "smollm2-135m-instruct-dflash"
+# A DFlash (v1) drafter's config.json as written by hf-dflash export (SmolLM2 drafter v5, shipped 2026-12-03)
+DFLASH_V5 = Path(__file__).resolve().parent / "fixtures" / "dflash-v5"
 
 
 def perturbed(model: DFlashDraftModel, seed: int = 0, only_dflash2: bool = False) -> DFlashDraftModel:
@@ -66,15 +67,15 @@ def outputs(model: DFlashDraftModel, inputs: dict) -> torch.Tensor:
 
 
 def test_a_dflash_config_json_is_unchanged(tmp_path):
-    """No DFlash2 field or transform is written for a DFlash drafter: the shipped config.json re-saves to
-    the same bytes (the Transformers version aside) and holds none of the new keys."""
-    config = DFlashConfig.from_pretrained(SHIPPED)
+    """No DFlash2 field or transform is written for a DFlash drafter: a v1 config.json re-saves to the same
+    bytes (the Transformers version aside) and holds none of the new keys."""
+    config = DFlashConfig.from_pretrained(DFLASH_V5)
     assert not config.is_dflash2
     config.save_pretrained(tmp_path)
-    shipped = json.loads((SHIPPED / "config.json").read_text())
+    original = json.loads((DFLASH_V5 / "config.json").read_text())
     resaved = (tmp_path / "config.json").read_text()
     version = json.loads(resaved)["transformers_version"]
-    expected = (SHIPPED / "config.json").read_text().replace(shipped["transformers_version"], version)
+    expected = (DFLASH_V5 / "config.json").read_text().replace(original["transformers_version"], version)
     assert resaved == expected
     new_keys = {*V2_FIELDS, "input_embedding_scale", "output_multiplier", "final_logit_softcapping"}
     assert not new_keys & set(json.loads(resaved))
