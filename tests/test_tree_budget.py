@@ -154,17 +154,19 @@ def test_real_verification_measurement_is_positive_and_leaves_rng_alone():
     assert torch.equal(torch.get_rng_state(), state)
 
 
-def test_copy_estimates_keep_unreached_slots_at_the_prior():
-    """The n-gram branch's slots shrink toward the prior each on its own (a copy right for its first drafts
-    tends to stay right); a model's slots shrink toward the slot before them."""
-    from hf_dflash.generation.hybrid_budget import BranchEstimate
+def test_unreached_copy_slots_accept_like_the_slot_before_them():
+    """A rejected first n-gram draft lowers what every deeper copy slot is expected to add (each shrinks toward
+    the slot before it, as a model's slots do), so a run of poor matches stops predicting long copies."""
+    from hf_dflash.generation.hybrid_budget import TreeBudget
 
-    settings = AdaptiveBlockSize(decay=1.0)
-    copy, model = BranchEstimate(3, settings, chained=False), BranchEstimate(3, settings)
-    for estimate in (copy, model):
-        estimate.observe(compared=1, agreed=0)  # the first draft was rejected once
-    torch.testing.assert_close(copy.expected_tokens(), tensor([1.0, 1.5, 2.0, 2.5]))
-    torch.testing.assert_close(model.expected_tokens(), tensor([1.0, 1.5, 1.75, 1.875]))
+    budget = TreeBudget(4, 3, one_branch=False, settings=AdaptiveBlockSize(decay=1.0), block=[2])
+    copy = budget.ngram_estimates[0]
+    torch.testing.assert_close(copy.expected_tokens(), torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64))
+    copy.observe(compared=1, agreed=0)  # the first draft was rejected once
+    torch.testing.assert_close(copy.expected_tokens(), torch.tensor([1.0, 1.5, 1.75, 1.875], dtype=torch.float64))
+    for _ in range(3):
+        copy.observe(compared=3, agreed=3)  # then three copies right to the end
+    torch.testing.assert_close(copy.expected_tokens()[1], torch.tensor(1.8, dtype=torch.float64))
 
 
 def test_fixed_verification_cost_keeps_drafting_and_flattens_verification():

@@ -56,14 +56,14 @@ def best_split(
 class BranchEstimate:
     """Discounted per-slot acceptance counts of one draft branch (the estimator of `AdaptiveBlockSize`).
 
-    chained: a slot rarely reached is assumed to accept like the slot before it (right for a model's
-    drafts, whose acceptance falls with depth); otherwise each slot shrinks toward the prior on its own
-    (right for a copy, which once right for a few tokens tends to stay right: its later slots, cheap to
-    verify, are then offered until evidence says otherwise)."""
+    A slot rarely reached is assumed to accept like the slot before it, for a model's drafts and a copy's
+    alike. (Each copy slot shrinking toward the optimistic prior on its own, as before, assumed that a copy
+    once right stays right: on prompts with few good matches its deep slots, hardly ever reached, kept
+    estimates near 1, and 10 n-gram drafts were predicted to add 3.7 tokens a round where they added 0.29:
+    docs/results.md, "Hybrid budget: copy slots estimated like the block's".)"""
 
     slots: int
     settings: AdaptiveBlockSize
-    chained: bool = True
     successes: torch.Tensor = field(init=False)  # (1, slots)
     trials: torch.Tensor = field(init=False)  # (1, slots)
 
@@ -74,11 +74,7 @@ class BranchEstimate:
     def expected_tokens(self) -> torch.Tensor:
         """(slots + 1,): 1 + expected accepted drafts when 0..slots are offered."""
         prior, weight = self.settings.prior, self.settings.prior_weight
-        if self.chained:
-            p = acceptance_probabilities(self.successes, self.trials, prior, weight)
-        else:
-            p = (self.successes + weight * prior) / (self.trials + weight)
-        return expected_tokens(p)[0]
+        return expected_tokens(acceptance_probabilities(self.successes, self.trials, prior, weight))[0]
 
     def observe(self, compared: int, agreed: int) -> None:
         """The branch's first `compared` drafts were checked against the committed tokens; `agreed` of them
@@ -129,9 +125,7 @@ class TreeBudget:
             BranchEstimate(self.max_block_size - 1, replace(self.settings, prior=self.settings.prior * scale))
             for scale in BESIDE_NGRAM_PRIOR_SCALES
         ]
-        self.ngram_estimates = [
-            BranchEstimate(self.max_ngram_tokens, self.settings, chained=False) for _ in MATCH_BUCKETS
-        ]
+        self.ngram_estimates = [BranchEstimate(self.max_ngram_tokens, self.settings) for _ in MATCH_BUCKETS]
         if self.cost_model is not None:
             self.seconds = self.cost_model.tree_round_seconds(1, self.max_block_size, self.max_ngram_tokens)
 
