@@ -377,6 +377,17 @@ def test_card_states_the_attention_semantics(layers, expected):
     assert re.search(expected, card.text), card.text
 
 
+def test_a_dflash2_card_names_its_convolutions_and_selector():
+    """A DFlash2 drafter's card says what it adds to DFlash; a DFlash drafter's card has no such row."""
+    from hf_dflash.trainer.upgrade import dflash2_from_dflash
+
+    drafter = make_drafter(make_target("llama"))
+    assert "| DFlash2 |" not in render_model_card(drafter.config, TARGET_ID).text
+    upgraded = dflash2_from_dflash(drafter, conv_kernel_size=2, conv_group_size=8, selector_rank=6, selector_top_k=3)
+    text = render_model_card(upgraded.config, TARGET_ID).text
+    assert re.search(r"\| DFlash2 \| two-tap grouped convolutions \(kernel 2, groups of 8\).*rank 6.*top-3", text), text
+
+
 def test_template_is_package_data():
     assert resources.files("hf_dflash.hub_cards").joinpath("template.md").is_file()
     pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()  # (no tomllib on Python 3.10)

@@ -119,6 +119,17 @@ def attention_description(config: DFlashConfig) -> str:
     return "; ".join(parts)
 
 
+def dflash2_description(config: DFlashConfig) -> str | None:
+    """What a DFlash2 drafter adds to DFlash, for the card's table (None for a DFlash drafter)."""
+    if not config.is_dflash2:
+        return None
+    return (
+        f"two-tap grouped convolutions (kernel {config.conv_kernel_size}, groups of {config.conv_group_size}) around "
+        f"both sublayers inside the block; a candidate selector (rank {config.selector_rank}) that re-ranks each "
+        f"slot's top-{config.selector_top_k} given the token chosen before it"
+    )
+
+
 def short_model_card(config: DFlashConfig) -> str:
     """The short `README.md` that `save_hub` writes beside a checkpoint (no target, no numbers; a
     published repository gets `render_model_card` instead)."""
@@ -198,6 +209,7 @@ def render_model_card(
         target_layer_ids=list(config.target_layer_ids),
         mask_token_id=config.mask_token_id,
         attention=attention_description(config),
+        dflash2=dflash2_description(config),
         has_sliding_layers="sliding_attention" in config.layer_types,
         num_parameters=_count(num_parameters) if num_parameters is not None else "unknown",
         weights_dtype=weights_dtype,
