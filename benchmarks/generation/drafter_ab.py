@@ -7,7 +7,7 @@ every answer equals plain greedy (checked), so the drafters meet the same tokens
     python benchmarks/generation/drafter_ab.py models/smollm2-135m-instruct-dflash checkpoints/smollm2-v6-dflash2-candidate \\
         --sets gsm8k,humaneval,mt-bench,alpaca-eval --num-prompts 4 --out out/drafter_ab.json
 
-Per drafter and mode (`chain`: `assistant_model=drafter`; `hybrid`: with `prompt_lookup_num_tokens=10`) it prints τ,
+Per drafter and mode (`chain`: `assistant_model=drafter`; `hybrid`: with the bench's `prompt_lookup_num_tokens`, 10) it prints τ,
 P(a round accepts at least t drafts) for t = 1..7, and for hybrid the mean block length and the drafts each branch
 got accepted. A DFlash2 drafter is also run with its selector off (`NAME:unary`: each slot's top-1, as a DFlash
 drafter drafts), which isolates what the selector adds. First user turn of each prompt only; one thread.
@@ -21,13 +21,14 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from hf_dflash.bench.methods import PROMPT_LOOKUP_NUM_TOKENS
 from hf_dflash.bench.prompts import load_prompt_sets
 from hf_dflash.bench.runner import chat_inputs
 from hf_dflash.checkpoints import load_drafter
 from hf_dflash.json_files import write_json_atomic
 from hf_dflash.targets import load_target
 
-MODES = {"chain": {}, "hybrid": {"prompt_lookup_num_tokens": 10}}
+MODES = {"chain": {}, "hybrid": {"prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS}}  # as the bench runs them
 DEPTHS = range(1, 8)
 
 
