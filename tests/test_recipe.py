@@ -195,6 +195,20 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path, capsys):
     shutil.rmtree(out)
 
 
+def test_the_recipes_own_half_written_claim_is_not_taken_for_foreign_files(tmp_path):
+    """Under `accelerate launch` the other process checks --out while the main one writes recipe.json
+    atomically (a hidden temporary sibling, then a rename); a killed run can leave that temporary behind."""
+    from hf_dflash.recipe.markers import check_recipe_folder
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".recipe.json.x1y2z3.tmp").write_text('{"made_by": "hf-dflash re')
+    check_recipe_folder(out)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"did not make \(notes.txt\)"):
+        check_recipe_folder(out)
+
+
 @pytest.mark.slow
 def test_the_same_recipe_trains_under_accelerate_launch_on_two_cpu_processes(tmp_path):
     """Two gloo processes: the main one runs every stage, the other joins the training (world size 2)."""
