@@ -31,6 +31,12 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[dict]:
                 yield json.loads(line)
 
 
+def is_atomic_temporary(name: str, of: str | None = None) -> bool:
+    """Whether a file `name` is a temporary sibling of `write_atomic` (of the file named `of`, or of any file):
+    one being written now, or one a killed writer left behind."""
+    return name.startswith(f".{of}." if of is not None else ".") and name.endswith(".tmp")
+
+
 def write_atomic(path: str | os.PathLike, text: str | bytes) -> None:
     """Write `text` (str, or bytes written as they are) to `path` so that `path` is either absent/old or complete, never partial: a unique
     hidden temporary sibling (concurrent writers do not collide), synced, then renamed over `path`."""

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 from ..folder_lock import LOCK_NAME
-from ..json_files import write_json_atomic
+from ..json_files import is_atomic_temporary, write_json_atomic
 
 __all__ = ["MADE_BY", "check_recipe_folder", "fingerprint", "read_marker", "stage_state", "write_marker"]
 
@@ -30,7 +30,11 @@ def check_recipe_folder(out: Path) -> None:
         raise ValueError(f"--out {out} is a file; give a new folder, or one an earlier recipe run made.")
     if not out.is_dir():
         return
-    held = sorted(path.name for path in out.iterdir() if path.name != LOCK_NAME and not _claim_in_progress(path.name))
+    # Under `accelerate launch` the other processes check --out while the main one writes recipe.json atomically,
+    # and a run killed mid-claim leaves that temporary behind: it is the recipe's own.
+    held = sorted(
+        path.name for path in out.iterdir() if path.name != LOCK_NAME and not is_atomic_temporary(path.name, OWNER_FILE)
+    )
     if not held:
         return
     try:
@@ -43,12 +47,6 @@ def check_recipe_folder(out: Path) -> None:
             f"--out {out} holds files the recipe did not make ({shown}); give a new or empty folder "
             "(the recipe writes and deletes stage outputs inside it)."
         )
-
-
-def _claim_in_progress(name: str) -> bool:
-    """Whether `name` is a temporary of the atomic write of `OUT/recipe.json`: under `accelerate launch` the
-    other processes check --out while the main one claims it, and a run killed mid-claim leaves one behind."""
-    return name.startswith(f".{OWNER_FILE}.") and name.endswith(".tmp")
 
 
 def claim_folder(out: Path, target: str) -> None:
