@@ -177,7 +177,12 @@ def test_a_cached_model_whose_two_timings_of_one_forward_disagree_is_timed_again
         verify_calls.append(rows)
         return [rows * LINEAR_COST(n) for n in lengths]
 
-    kwargs = dict(measure=measure, verification=True, measure_verification=measure_verification)
+    def measure_drafting(target, drafter, rows, lengths):
+        return [0.01 * rows * (k > 1) for k in lengths]
+
+    kwargs = dict(
+        measure=measure, verification=True, measure_verification=measure_verification, measure_drafting=measure_drafting
+    )
     model = measured_cost_model(target, drafter, (1,), tmp_path, **kwargs)
     assert measure.calls == verify_calls == [1]
     path = cost_model_path(cost_model_key(target, drafter), tmp_path)

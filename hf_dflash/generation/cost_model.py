@@ -41,6 +41,9 @@ class CostModel:
     seconds: dict[int, tuple[float, ...]]
     verification_lengths: tuple[int, ...] = ()
     verification_seconds: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    # rows -> seconds of the drafter's pass alone at each of `block_lengths` (0 at k = 1): what a round costs
+    # beyond its verification when that has one fixed width (`at_fixed_verification`)
+    drafting_seconds: dict[int, tuple[float, ...]] = field(default_factory=dict)
 
     def __post_init__(self):
         lengths = check_table("seconds", self.block_lengths, self.seconds, "block length")
@@ -53,6 +56,14 @@ class CostModel:
             object.__setattr__(self, "verification_lengths", verified)
             table = {rows: tuple(map(float, v)) for rows, v in sorted(self.verification_seconds.items())}
             object.__setattr__(self, "verification_seconds", table)
+        for rows, values in self.drafting_seconds.items():
+            if rows not in self.seconds or len(values) != len(self.block_lengths) or not all(v >= 0 for v in values):
+                raise ValueError(
+                    f"CostModel.drafting_seconds[{rows!r}] = {values!r} must hold {len(self.block_lengths)} seconds >= 0 "
+                    f"(one per block length {self.block_lengths}) for a row count timed in `seconds`."
+                )
+        table = {rows: tuple(map(float, v)) for rows, v in sorted(self.drafting_seconds.items())}
+        object.__setattr__(self, "drafting_seconds", table)
 
     @classmethod
     def from_function(
@@ -97,13 +108,27 @@ class CostModel:
         nodes = torch.arange(1, max_block_size + 1)[:, None] + torch.arange(max_ngram_tokens + 1)[None]
         return rounds[:, None] + verify[nodes - 1] - verify[nodes[:, :1] - 1]
 
+    def drafter_seconds(self, rows: int, max_block_size: int) -> torch.Tensor:
+        """(max_block_size,) float64: seconds of the drafter's pass at block length k = 1..max_block_size (0 at
+        k = 1): timed alone where `drafting_seconds` has these rows (interpolated like the rounds), else read off
+        as round(k) - verify(k), at least 0 (needs verification times)."""
+        timed = self.drafting_seconds.get(rows)
+        if timed is not None:
+            values = [interpolate(k, self.block_lengths, timed) for k in range(1, max_block_size + 1)]
+            return torch.tensor(values, dtype=torch.float64)
+        rounds = self.round_seconds(rows, max_block_size)
+        drafting = (rounds - self.verification_seconds_per_length(rows, max_block_size)).clamp_min(0)
+        drafting[0] = 0.0
+        return drafting
+
     def at_fixed_verification(self, width: int) -> CostModel:
         """The same rounds when every verification pass of drafts reads `width` tokens, as compiled verification
         does (one input shape: shorter rounds are padded): verify(n) = verify(width) for every n >= 2, and a round
-        of block length k >= 2 costs its drafting (round(k) - verify(k), at least 0) + verify(width). With this
-        cost, a longer block or a larger tree costs only its drafter pass. A plain step (k = 1, one token, no
-        drafts) keeps its own cost: compiled verification runs it as its own graph of width 1, as plain decoding
-        does. Needs measured verification passes (`measured_cost_model(..., verification=True)`)."""
+        of block length k >= 2 costs its drafting + verify(width): the drafter's pass timed alone
+        (`drafting_seconds`), else round(k) - verify(k), at least 0. With this cost, a longer block or a larger
+        tree costs only its drafter pass. A plain step (k = 1, one token, no drafts) keeps its own cost: compiled
+        verification runs it as its own graph of width 1, as plain decoding does. Needs measured verification
+        passes (`measured_cost_model(..., verification=True)`)."""
         if not self.has_verification:
             raise ValueError(
                 "CostModel.at_fixed_verification needs the verification pass timed alone: measure the cost model "
@@ -113,11 +138,9 @@ class CostModel:
         for rows in sorted(set(self.seconds) | set(self.verification_seconds)):
             verify = self.verification_seconds_per_length(rows, max(width, *self.block_lengths))
             fixed = float(verify[width - 1])
-            rounds = interpolated(self.block_lengths, self.seconds, rows, self.block_lengths[-1])
-            seconds[rows] = tuple(
-                float(rounds[0]) if k == 1 else max(float(rounds[k - 1] - verify[k - 1]), 0.0) + fixed
-                for k in self.block_lengths
-            )
+            step = float(self.round_seconds(rows, 1)[0])
+            drafting = self.drafter_seconds(rows, self.block_lengths[-1])
+            seconds[rows] = tuple(step if k == 1 else float(drafting[k - 1]) + fixed for k in self.block_lengths)
             verification[rows] = tuple(float(verify[0]) if n == 1 else fixed for n in self.verification_lengths)
         return CostModel(self.block_lengths, seconds, self.verification_lengths, verification)
 
@@ -129,6 +152,8 @@ class CostModel:
         if self.has_verification:
             data["verification_lengths"] = list(self.verification_lengths)
             data["verification_seconds"] = {str(r): list(v) for r, v in self.verification_seconds.items()}
+        if self.drafting_seconds:
+            data["drafting_seconds"] = {str(r): list(v) for r, v in self.drafting_seconds.items()}
         return data
 
     @classmethod
@@ -139,6 +164,7 @@ class CostModel:
             {int(r): tuple(v) for r, v in data["seconds"].items()},
             tuple(data.get("verification_lengths", ())),
             {int(r): tuple(v) for r, v in data.get("verification_seconds", {}).items()},
+            {int(r): tuple(v) for r, v in data.get("drafting_seconds", {}).items()},
         )
 
 

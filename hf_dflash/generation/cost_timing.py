@@ -32,7 +32,7 @@ from .tree import tree_attention_bias
 
 logger = logging.getLogger(__name__)
 
-COST_MODEL_FORMAT = 2  # 2: rounds timed with the served drafter pass; verification_* fields are optional
+COST_MODEL_FORMAT = 2  # 2: rounds timed with the served drafter pass; verification_* and drafting_* fields are optional
 # Verification passes are timed after this many context tokens (part of the cache key). A served round
 # verifies after the prompt and the answer so far, and a tree's attention grows with nodes x context:
 # timed after 64 tokens, 48-node trees looked as cheap as 24-node ones and "auto" chose them, where served
@@ -65,6 +65,53 @@ def time_in_turn(run: Callable[[int], None], sizes: Sequence[int], repeats: int,
     return tuple(fastest.cummax(0).values.tolist())
 
 
+class ServedRound:
+    """One served round after a `context_length`-token prompt, as `generate` runs it: the drafter pass
+    (`BlockDrafter`, its cache holding the prompt's features) over k new context features and a k-token block
+    with its greedy LM head on the k-1 draft slots, and the target forward over k tokens with the hidden
+    states the drafter needs. Both caches are rolled back after each pass; no random numbers are used, so
+    timing never changes what `generate` samples."""
+
+    def __init__(self, target: PreTrainedModel, drafter: DFlashDraftModel, rows: int, context_length: int):
+        self.target, self.hidden_request = target, [i + 1 for i in drafter.config.target_layer_ids]
+        layer_ids = list(drafter.config.target_layer_ids)
+        vocab = target.get_input_embeddings().num_embeddings
+        self.token_ids = (torch.arange(rows * context_length, device=target.device) * 7919 % vocab).view(rows, -1)
+        self.cache_name = cache_keyword(target)
+        self.cache = DynamicCache(config=target.config)
+        self.cache.activate_past_recording()  # sliding-window layers roll back only with it, as in `generate`
+        outputs = self.target_pass(self.token_ids, keep=True)
+        self.features = target_layer_features(outputs.hidden_states, layer_ids, context_length)  # (rows, ctx, n*Ht)
+        self.valid = self.token_ids.new_ones(rows, context_length)
+        self.block = BlockDrafter(drafter, target)
+        self.block.add_context(self.features, self.valid)
+        self.block.draft_hidden(self.token_ids[:, -1], 1)
+
+    def target_pass(self, token_ids: torch.LongTensor, keep: bool = False):
+        outputs = self.target(
+            input_ids=token_ids,
+            use_cache=True,
+            output_hidden_states=self.hidden_request,
+            **{self.cache_name: self.cache},
+        )
+        if not keep:
+            self.cache.crop(-token_ids.shape[1])
+        return outputs
+
+    def draft(self, k: int) -> None:
+        """The drafter's pass of block length k >= 2."""
+        self.block.add_context(self.features[:, :k], self.valid[:, :k])
+        last = self.token_ids[:, -1]
+        self.block.draft(self.block.draft_hidden(last, k), do_sample=False, anchors=last)
+        self.block.rewind(k)
+
+    def round(self, k: int) -> None:
+        """Drafting (k > 1) then the target's verification forward over k tokens."""
+        if k > 1:
+            self.draft(k)
+        self.target_pass(self.token_ids[:, :k])
+
+
 @torch.no_grad()
 def measure_round_seconds(
     target: PreTrainedModel,
@@ -74,40 +121,29 @@ def measure_round_seconds(
     context_length: int = VERIFICATION_CONTEXT,
     repeats: int = 5,
 ) -> tuple[float, ...]:
-    """Seconds of one round per block length k (`time_in_turn`), timed with the real models.
+    """Seconds of one round per block length k (`time_in_turn`), timed with the real models: the served
+    drafter pass and the target's forward over k tokens (`ServedRound.round`; k = 1: the forward alone)."""
+    served = ServedRound(target, drafter, rows, max(context_length, max(block_lengths)))
+    return time_in_turn(served.round, block_lengths, repeats, target.device)
 
-    A round = the served drafter pass (`BlockDrafter`, its cache holding a `context_length`-token prompt's
-    features) over k new context features and a k-token block, its greedy LM head on the k-1 draft slots (none
-    when k = 1), then a target forward over k tokens after that prompt, with the hidden states the drafter
-    needs. Both caches are rolled back after each pass. Uses no random
-    numbers, so measuring never changes what `generate` samples.
-    """
-    device = target.device
-    layer_ids = list(drafter.config.target_layer_ids)
-    hidden_request = [i + 1 for i in layer_ids]
-    vocab = target.get_input_embeddings().num_embeddings
-    context_length = max(context_length, max(block_lengths))
-    token_ids = (torch.arange(rows * context_length, device=device) * 7919 % vocab).view(rows, -1)
-    cache_name = cache_keyword(target)
-    cache = DynamicCache(config=target.config)
-    cache.activate_past_recording()  # sliding-window layers roll back only with it, as in `generate`
-    outputs = target(input_ids=token_ids, use_cache=True, output_hidden_states=hidden_request, **{cache_name: cache})
-    features = target_layer_features(outputs.hidden_states, layer_ids, context_length)  # (rows, context, n*Ht)
-    valid = token_ids.new_ones(rows, context_length)
-    # The served drafter pass (`BlockDrafter`), after the prompt's features are in its cache.
-    block = BlockDrafter(drafter, target)
-    block.add_context(features, valid)
-    block.draft_hidden(token_ids[:, -1], 1)
 
-    def one_round(k: int) -> None:
-        if k > 1:
-            block.add_context(features[:, :k], valid[:, :k])
-            block.draft(block.draft_hidden(token_ids[:, -1], k), do_sample=False, anchors=token_ids[:, -1])
-            block.rewind(k)
-        target(input_ids=token_ids[:, :k], use_cache=True, output_hidden_states=hidden_request, **{cache_name: cache})
-        cache.crop(-k)
-
-    return time_in_turn(one_round, block_lengths, repeats, device)
+@torch.no_grad()
+def measure_drafting_seconds(
+    target: PreTrainedModel,
+    drafter: DFlashDraftModel,
+    rows: int,
+    block_lengths: Sequence[int],
+    context_length: int = VERIFICATION_CONTEXT,
+    repeats: int = 5,
+) -> tuple[float, ...]:
+    """Seconds of the drafter's pass alone per block length k (`ServedRound.draft`; 0 at k = 1, no pass). Under
+    compiled verification a round costs this + one fixed-width verification: read off as round - verification
+    instead, two timings taken apart, it came out at 0 in fp32 (a tree-masked 8-token verification timed slower
+    than the round's whole), so drafting looked free."""
+    served = ServedRound(target, drafter, rows, max(context_length, max(block_lengths)))
+    drafted = [k for k in block_lengths if k > 1]
+    seconds = dict(zip(drafted, time_in_turn(served.draft, drafted, repeats, target.device))) if drafted else {}
+    return tuple(seconds.get(k, 0.0) for k in block_lengths)
 
 
 @torch.no_grad()
@@ -212,7 +248,7 @@ def read_cost_model(
         warnings.warn(f"Ignoring the DFlash cost model cache {path} ({error}); measuring again.", stacklevel=3)
         return None
     if model.has_verification and not set(verified) <= set(model.verification_lengths):
-        model = CostModel(model.block_lengths, model.seconds)  # measured again, over the larger set
+        model = CostModel(model.block_lengths, model.seconds, drafting_seconds=model.drafting_seconds)  # measured again
     return model
 
 
@@ -243,13 +279,15 @@ def measured_cost_model(
     verification: bool = False,
     measure_verification: Callable[..., Sequence[float]] = measure_verification_seconds,
     max_verified_tokens: int | None = None,
+    measure_drafting: Callable[..., Sequence[float]] = measure_drafting_seconds,
 ) -> CostModel:
     """The cached cost model of this (target, drafter, machine), measuring the `rows` not cached yet.
 
     `measure(target, drafter, rows, block_lengths)` returns seconds per block length (injectable); with
-    `verification` (hybrid drafting), `measure_verification(target, drafter, rows, lengths)` the seconds
-    of the verification pass alone per token count, up to `max_verified_tokens` (default 2B; draft trees ask for
-    more; cached times over a larger set of counts serve a smaller one). The file is rewritten atomically, so concurrent runs
+    `verification` (hybrid drafting, trees, compiled verification), `measure_verification(target, drafter, rows,
+    lengths)` the seconds of the verification pass alone per token count, up to `max_verified_tokens` (default 2B;
+    draft trees ask for more; cached times over a larger set of counts serve a smaller one), and
+    `measure_drafting(target, drafter, rows, block_lengths)` the drafter's pass alone per block length. The file is rewritten atomically, so concurrent runs
     never read half a file; a cache folder that cannot be written only warns.
     """
     key = cost_model_key(target, drafter)
@@ -259,9 +297,13 @@ def measured_cost_model(
     cached = read_cost_model(path, key, lengths, verified)
     seconds = dict(cached.seconds) if cached is not None else {}
     verification_seconds = dict(cached.verification_seconds) if cached is not None else {}
+    drafting_seconds = dict(cached.drafting_seconds) if cached is not None else {}
+    if cached is not None and cached.has_verification:
+        verified = cached.verification_lengths  # a larger set than asked for serves it (`read_cost_model`)
     missing = sorted(set(rows) - set(seconds))
     missing_verification = sorted(set(rows) - set(verification_seconds)) if verification else []
-    if not missing and not missing_verification:
+    missing_drafting = sorted(set(rows) - set(drafting_seconds)) if verification else []
+    if not missing and not missing_verification and not missing_drafting:
         return cached
     for count in missing:
         logger.info("Timing DFlash rounds of %d row(s) at block lengths %s (cached in %s).", count, lengths, path)
@@ -269,7 +311,11 @@ def measured_cost_model(
     for count in missing_verification:
         logger.info("Timing verification passes of %d row(s) over %s tokens (cached in %s).", count, verified, path)
         verification_seconds[count] = tuple(measure_verification(target, drafter, count, verified))
-    model = CostModel(lengths, seconds, verified if verification_seconds else (), verification_seconds)
+    for count in missing_drafting:
+        logger.info("Timing the drafter's pass of %d row(s) at block lengths %s (cached in %s).", count, lengths, path)
+        drafting_seconds[count] = tuple(measure_drafting(target, drafter, count, lengths))
+    verified_lengths = verified if verification_seconds else ()
+    model = CostModel(lengths, seconds, verified_lengths, verification_seconds, drafting_seconds)
     together = cached is None and bool(missing_verification)  # both tables timed now, one after the other
     try:
         write_json_atomic(

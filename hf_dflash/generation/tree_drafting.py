@@ -127,11 +127,10 @@ class TreeDrafting:
 
 def auto_tree_drafting(cost: CostModel, block_size: int, one_size: bool = False) -> TreeDrafting:
     """Trees of up to `AUTO_MAX_NODES` nodes sized by `cost` (batch 1): a round of n nodes costs the drafter's
-    pass (a round at the trained block minus its verification) + the verification of n. Each round, or with
+    pass at the trained block (`CostModel.drafter_seconds`) + the verification of n. Each round, or with
     `one_size` (compiled verification) once, at the first tree, never below the trained block B."""
-    verify = cost.verification_seconds_per_length(1, max(AUTO_MAX_NODES, block_size))
-    drafting = cost.round_seconds(1, block_size)[-1] - verify[block_size - 1]  # the drafter's pass
-    seconds = drafting.clamp_min(0) + verify[:AUTO_MAX_NODES]
+    verify = cost.verification_seconds_per_length(1, AUTO_MAX_NODES)
+    seconds = cost.drafter_seconds(1, block_size)[-1] + verify
     if one_size:
         return TreeDrafting(AUTO_MAX_NODES, seconds=seconds, min_nodes=block_size, one_size=True)
     return TreeDrafting(AUTO_MAX_NODES, seconds=seconds)
