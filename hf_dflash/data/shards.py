@@ -12,7 +12,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..json_files import write_atomic
+from ..json_files import is_atomic_temporary, write_atomic
 
 __all__ = ["check_stage_config", "shard_name", "write_jsonl_atomic"]
 
@@ -31,8 +31,9 @@ def write_jsonl_atomic(path: Path, rows: Iterable[dict]) -> None:
 
 def remove_partial_files(folder: Path) -> None:
     """Delete temporary files a killed run left behind in `folder`."""
-    for path in folder.glob(".*.tmp"):
-        path.unlink()
+    for path in folder.iterdir():
+        if is_atomic_temporary(path.name):
+            path.unlink()
 
 
 def check_stage_config(folder: Path, config: dict) -> None:

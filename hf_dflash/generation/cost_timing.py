@@ -73,8 +73,8 @@ class ServedRound:
     timing never changes what `generate` samples."""
 
     def __init__(self, target: PreTrainedModel, drafter: DFlashDraftModel, rows: int, context_length: int):
-        self.target, self.hidden_request = target, [i + 1 for i in drafter.config.target_layer_ids]
         layer_ids = list(drafter.config.target_layer_ids)
+        self.target, self.hidden_request = target, [i + 1 for i in layer_ids]
         vocab = target.get_input_embeddings().num_embeddings
         self.token_ids = (torch.arange(rows * context_length, device=target.device) * 7919 % vocab).view(rows, -1)
         self.cache_name = cache_keyword(target)
@@ -287,8 +287,9 @@ def measured_cost_model(
     `verification` (hybrid drafting, trees, compiled verification), `measure_verification(target, drafter, rows,
     lengths)` the seconds of the verification pass alone per token count, up to `max_verified_tokens` (default 2B;
     draft trees ask for more; cached times over a larger set of counts serve a smaller one), and
-    `measure_drafting(target, drafter, rows, block_lengths)` the drafter's pass alone per block length. The file is rewritten atomically, so concurrent runs
-    never read half a file; a cache folder that cannot be written only warns.
+    `measure_drafting(target, drafter, rows, block_lengths)` the drafter's pass alone per block length. The file
+    is rewritten atomically, so concurrent runs never read half a file; a cache folder that cannot be written
+    only warns.
     """
     key = cost_model_key(target, drafter)
     path = cost_model_path(key, cache_dir)

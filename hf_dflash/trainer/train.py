@@ -43,7 +43,7 @@ from ..data.packed import PackedDataset, is_packed, source_of
 from ..data.tokenized import TokenizedDataset
 from ..folder_lock import LOCK_NAME, folder_lock
 from ..hub_cards import TrainingRecordCallback, record_data_from_prepare_data
-from ..json_files import write_json_atomic
+from ..json_files import is_atomic_temporary, write_json_atomic
 from ..modeling_dflash import DFlashConfig, DFlashDraftModel
 from ..packaged_files import file_sha256
 from ..targets import load_any_target
@@ -59,7 +59,6 @@ STARTED_RUN_NAME = "training_started.json"  # written first into output_dir: the
 TRAINER_STATE_NAME = "trainer_state.json"
 WEIGHT_NAMES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
-_STARTED_TEMPORARY = re.compile(rf"^\.{re.escape(STARTED_RUN_NAME)}\..*\.tmp$")  # write_atomic's temporary file
 
 
 class DuplicateKeyError(yaml.YAMLError):
@@ -174,7 +173,9 @@ def output_dir_problem(output_dir: Path) -> str | None:
         return f"training.output_dir {output_dir} is a file, not a folder; give a new or empty folder."
     # the main process's lock, and its marker while it is being written (other processes of the same run look)
     held = sorted(
-        path.name for path in output_dir.iterdir() if path.name != LOCK_NAME and not _STARTED_TEMPORARY.match(path.name)
+        path.name
+        for path in output_dir.iterdir()
+        if path.name != LOCK_NAME and not is_atomic_temporary(path.name, STARTED_RUN_NAME)
     )
     if not held or STARTED_RUN_NAME in held or FINISHED_RUN_NAME in held:
         return None
