@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -37,7 +36,7 @@ import torch.nn.functional as F
 from cost_curve import DTYPES, gemm_peak, median_in_turn, memory_bandwidth, parse_ints
 from transformers import StaticCache
 
-from hf_dflash.dtypes import cpu_flags
+from hf_dflash.bench.loading import machine_description
 from hf_dflash.generation.cost_timing import VERIFICATION_CONTEXT
 from hf_dflash.json_files import write_json_atomic
 from hf_dflash.packed_linears import packable_layers, release_packed_weights, stack_seconds
@@ -227,15 +226,11 @@ def main(args: argparse.Namespace) -> None:
     torch._dynamo.config.recompile_limit = 64
     dtype = DTYPES[args.dtype]
     target, _ = load_target(dtype=dtype)
-    flags = cpu_flags() or frozenset()
     result = {
         "settings": {**vars(args), "tokens": list(args.tokens)},
         "machine": {
-            "processor": platform.processor() or platform.machine(),
-            "native_bf16": bool({"avx512_bf16", "amx_bf16"} & flags),
+            "description": machine_description(torch.device("cpu")),
             "threads": torch.get_num_threads(),
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") or "default",
-            "torch": torch.__version__,
             "memory_bandwidth_gbs": round(memory_bandwidth() / 1e9, 1),
             "gemm_peak_gflops": round(gemm_peak(dtype) / 1e9, 1),
         },
