@@ -10,6 +10,7 @@ from .checkpoints import drafter_from_model, load_drafter
 from .generation import (
     AcceptanceStats,
     AdaptiveBlockSize,
+    ConfidentPrefix,
     CostModel,
     DFlashCandidateGenerator,
     DFlashGenerateOutput,
@@ -30,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AcceptanceStats",
     "AdaptiveBlockSize",
+    "ConfidentPrefix",
     "CostModel",
     "DFlashCandidateGenerator",
     "DFlashConfig",

@@ -466,7 +466,8 @@ def register_bench(subparsers) -> None:
     parser.add_argument(
         "--block-size-policy", default="recommended",
         help="our DFlash method's block length per round: 'recommended' (default: the drafter config's "
-        "block_size_policy, else its block size), 'trained' (its block size), 'adaptive', or a fixed k",
+        "block_size_policy, else its block size), 'trained' (its block size), 'adaptive', 'confidence' (the "
+        "whole block drafted, its likely prefix verified), or a fixed k",
     )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -510,7 +511,8 @@ def register_generate(subparsers) -> None:
     parser.add_argument(
         "--block-size-policy", default="recommended",
         help="block length per round: 'recommended' (default: the drafter config's block_size_policy, else "
-        "its block size), 'trained' (its block size), 'adaptive', or a fixed k",
+        "its block size), 'trained' (its block size), 'adaptive', 'confidence' (the whole block drafted, its "
+        "likely prefix verified), or a fixed k",
     )  # fmt: skip
 
 

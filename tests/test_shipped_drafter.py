@@ -72,7 +72,9 @@ def shipped_fp32():
 
 
 @pytest.mark.real_model
-def test_lossless_and_accepting_on_the_real_target(real_target, shipped_fp32):
+@pytest.mark.parametrize("policy", [None, "confidence"])  # the recommended policy, and the confident prefix
+def test_lossless_and_accepting_on_the_real_target(real_target, shipped_fp32, policy):
+    shipped_fp32.block_size_policy = policy
     target, tokenizer = real_target
     inputs = tokenizer.apply_chat_template(
         [{"role": "user", "content": DEMO_PROMPTS["math"]}],

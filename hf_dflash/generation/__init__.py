@@ -1,5 +1,6 @@
 from .adaptive import AdaptiveBlockSize
 from .candidate_generator import DFlashCandidateGenerator
+from .confidence import ConfidentPrefix
 from .cost_model import CostModel
 from .decoding import DFlashGenerateOutput, dflash_decoding
 from .pairing import check_pairing
@@ -8,6 +9,7 @@ from .stats import AcceptanceStats
 __all__ = [
     "AcceptanceStats",
     "AdaptiveBlockSize",
+    "ConfidentPrefix",
     "CostModel",
     "DFlashCandidateGenerator",
     "DFlashGenerateOutput",

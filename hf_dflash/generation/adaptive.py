@@ -14,6 +14,7 @@ with the real models per (target, drafter, device, dtype, torch threads), cached
 Opt in on the drafter (a setting read by `generate`, like Transformers' assistant settings):
 
     drafter.block_size_policy = "adaptive"                # or AdaptiveBlockSize(decay=..., cost_model=...)
+    drafter.block_size_policy = "confidence"              # the whole block drafted, its likely prefix verified
     drafter.block_size_policy = 8                         # a fixed shorter block
     drafter.block_size_policy = lambda round_index: 4     # an explicit schedule: k for each round
     drafter.block_size_policy = None                      # default: the trained block size B
@@ -31,6 +32,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..modeling_dflash import DFlashDraftModel
+from .confidence import ConfidentPrefix
 from .cost_model import CostModel
 from .cost_timing import measured_cost_model
 
@@ -277,6 +279,8 @@ def block_size_policy(drafter: DFlashDraftModel, unset=None):
         policy = unset
     if isinstance(policy, str) and policy == "adaptive":
         return AdaptiveBlockSize()
+    if isinstance(policy, str) and policy == "confidence":
+        return ConfidentPrefix()
     return policy
 
 
@@ -287,14 +291,15 @@ def block_size_controller(
     drafter's config recommends (`DFlashConfig.block_size_policy`); neither: fixed B.
 
     Accepted policies: None (the trained block size B), an int 1 <= k <= B, "adaptive", an
-    `AdaptiveBlockSize`, or a callable round_index -> k. Anything else raises ValueError.
-    `fixed_verification`: every round verifies B tokens (compiled verification; `AdaptiveBlockSize.start`).
+    `AdaptiveBlockSize`, "confidence", a `ConfidentPrefix` (`confidence.py`), or a callable round_index -> k.
+    Anything else raises ValueError. `fixed_verification`: every round verifies B tokens (compiled verification;
+    `AdaptiveBlockSize.start`).
     """
     max_block_size = drafter.config.block_size
     policy = block_size_policy(drafter)
     if policy is None:
         return FixedBlockSize(max_block_size)
-    if isinstance(policy, AdaptiveBlockSize):
+    if isinstance(policy, (AdaptiveBlockSize, ConfidentPrefix)):
         return policy.start(target, drafter, batch_size, fixed_verification)
     if is_block_size(policy, max_block_size):
         return FixedBlockSize(policy)
@@ -303,23 +308,23 @@ def block_size_controller(
     raise ValueError(
         f"drafter.block_size_policy = {policy!r} is not a block size policy. Use None (the trained block size "
         f"{max_block_size}), an int k with 1 <= k <= {max_block_size}, 'adaptive', an AdaptiveBlockSize(...), "
-        "or a callable round_index -> k."
+        "'confidence', a ConfidentPrefix(...), or a callable round_index -> k."
     )
 
 
 def parse_block_size_policy(text: str, max_block_size: int) -> str | int | None:
     """A command-line policy: "recommended" (None: the drafter config's `block_size_policy`, else B),
-    "trained" (B), "adaptive", or an int 1 <= k <= B; ValueError naming the value otherwise."""
+    "trained" (B), "adaptive", "confidence", or an int 1 <= k <= B; ValueError naming the value otherwise."""
     if text == "recommended":
         return None
     if text == "trained":
         return max_block_size
-    if text == "adaptive":
-        return "adaptive"
+    if text in ("adaptive", "confidence"):
+        return text
     if text.isdigit() and is_block_size(int(text), max_block_size):
         return int(text)
     raise ValueError(
         f"block size policy {text!r}: use 'recommended' (the drafter config's), 'trained' (the drafter's block "
-        f"size {max_block_size}), 'adaptive', "
+        f"size {max_block_size}), 'adaptive', 'confidence', "
         f"or a block length k with 1 <= k <= {max_block_size}."
     )

@@ -82,7 +82,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         block_length = self.chain.controller.choose([0])
         self.stats.block_sizes.append(block_length)
         proposal = self.chain.draft_block(Rows(input_ids, self.max_length, 0, False), block_length, [input_ids[0]])
-        self.num_drafts = proposal.slots
+        self.num_drafts = proposal.num_drafts
         if not self.num_drafts:
             return input_ids, None
         drafts = proposal.drafts

@@ -26,10 +26,16 @@ from .verification import greedy_tokens, process_draft_rows
 class Drafts:
     """A round's drafted tokens (B, d) and, when sampling, the distributions they were drawn from (B, d, V);
     when greedy with logits processors, `scores` holds the processed draft logits, or with a DFlash2 selector
-    each slot's selector scores over its candidates (-inf elsewhere); None otherwise."""
+    each slot's selector scores over its candidates (-inf elsewhere); None otherwise. `probabilities` (B, d), when
+    asked for: the drafter's probability of each draft (DFlash2: its selector's, given the draft before it)."""
 
     tokens: torch.LongTensor
     scores: torch.Tensor | None = None
+    probabilities: torch.Tensor | None = None
+
+    def prefix(self, length: int) -> Drafts:
+        """The first `length` drafts of every row."""
+        return Drafts(*(None if x is None else x[:, :length] for x in (self.tokens, self.scores, self.probabilities)))
 
 
 class BlockDrafter:
@@ -85,6 +91,7 @@ class BlockDrafter:
         rows: list[int] | None = None,
         prefixes: list[torch.LongTensor] | None = None,
         anchors: torch.LongTensor | None = None,
+        confidence: bool = False,
     ) -> Drafts:
         """Draft tokens from the drafter outputs (B, d, H) of `draft_hidden`.
 
@@ -93,15 +100,35 @@ class BlockDrafter:
         the row's committed prefix, `process_draft_rows`) and drafts are their argmax, or samples when
         `do_sample`. A DFlash2 drafter drafts by its selector's walk from each row's anchor (B,), the bonus
         token before the block (`selector.selector_drafts`). rows/prefixes/batch_size: as
-        `process_draft_rows` needs them.
+        `process_draft_rows` needs them. `confidence`: also the drafter's probability of each draft
+        (`Drafts.probabilities`).
         """
         selector = self.drafter.candidate_selector
         if not do_sample and not logits_processor:
-            if selector is None:
+            if selector is None and not confidence:
                 return Drafts(self.drafter.greedy_draft_tokens(hidden, self.lm_head))
+            if selector is None:  # the argmax and its probability, over the draft ids' logits alone
+                logits = self.drafter.draft_logits(hidden, self.lm_head, full_vocab=False)
+                best = logits.max(-1).indices
+                chosen = logits.float().softmax(-1).gather(-1, best[..., None])[..., 0]
+                ids = self.drafter.draft_token_ids
+                return Drafts(best if ids is None else ids.to(best.device)[best], None, chosen)
             if anchors is not None:  # the walk over the draft ids' logits alone (no full-vocabulary scatter)
                 logits = self.drafter.draft_logits(hidden, self.lm_head, full_vocab=False)
-                return Drafts(selector.walk(hidden, logits, anchors, token_ids=self.drafter.draft_token_ids)[0].tokens)
+                path = selector.walk(hidden, logits, anchors, token_ids=self.drafter.draft_token_ids)[0]
+                if not confidence:
+                    return Drafts(path.tokens)
+                chosen = path.scores.float().softmax(-1).gather(-1, path.choices[..., None])[..., 0]
+                return Drafts(path.tokens, None, chosen)
+        drafts = self.processed_drafts(hidden, do_sample, logits_processor, batch_size, rows, prefixes, anchors)
+        if confidence:  # scores: the distributions drawn from (sampling), else logits / selector scores
+            distributions = drafts.scores if do_sample else drafts.scores.float().softmax(-1)
+            drafts.probabilities = distributions.gather(-1, drafts.tokens[..., None])[..., 0]
+        return drafts
+
+    def processed_drafts(self, hidden, do_sample: bool, logits_processor, batch_size: int, rows, prefixes, anchors):
+        """`draft` from the full-vocabulary draft logits, processed with each row's prefix."""
+        selector = self.drafter.candidate_selector
         logits = self.drafter.draft_logits(hidden, self.lm_head)  # (B, d, V)
         logits = process_draft_rows(logits_processor, batch_size, rows or [0], prefixes, logits)
         if selector is not None:

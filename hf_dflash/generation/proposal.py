@@ -12,7 +12,7 @@ from .tree import DraftTree
 class Proposal:
     """What a round verifies: drafts (R, d) after each row's bonus token, the tree they form (batch 1: a drafter
     tree, or the branches of hybrid drafting; None for chains), the block length k of the drafter pass and the
-    block's draft slots it filled (0: no drafter pass)."""
+    block's draft slots it filled (0: no drafter pass; more than d where only a prefix is verified)."""
 
     drafts: Drafts
     tree: DraftTree | None

@@ -25,6 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..modeling_dflash import DFlashDraftModel
+from .confidence import DraftCalibration
 from .cost_model import CostModel
 from .cost_timing import measured_cost_model
 from .tree import Children, DraftTree, best_first_tree, best_first_tree_by
@@ -38,7 +39,6 @@ AUTO_MAX_NODES = 64  # the largest tree "auto" considers
 # entries; trees past ~64 nodes already cost more than they win on the machines measured (docs/results.md).
 MAX_TREE_NODES = 512
 DEFAULT_TOP_K = 16  # candidates per slot (DFlash2: the target's token is in the drafter's top-16 99.5% of the time)
-CALIBRATION_DECAY = 0.9  # weight kept by past rounds in the calibration of the drafter's probabilities
 
 
 def best_tree_size(reach: torch.Tensor, seconds: torch.Tensor, calibration: float = 1.0, min_nodes: int = 1) -> int:
@@ -69,9 +69,7 @@ class TreeDrafting:
     seconds: torch.Tensor | None = None  # (max_nodes,) seconds of a round with n nodes; None: always max_nodes
     min_nodes: int = 1  # the smallest size the cost curve may choose
     one_size: bool = False
-    accepted: float = field(default=0.0, init=False)  # discounted accepted drafts
-    predicted: float = field(default=0.0, init=False)  # discounted expected accepted drafts
-    expected: float = field(default=0.0, init=False)  # the last tree's expected accepted drafts
+    trust: DraftCalibration = field(default_factory=DraftCalibration, init=False)  # of the drafter's probabilities
 
     def __post_init__(self):
         if self.max_nodes < 2 or self.top_k < 1:
@@ -92,7 +90,7 @@ class TreeDrafting:
     @property
     def calibration(self) -> float:
         """Observed / predicted accepted drafts, shrunk toward 1 by one round's worth of prior."""
-        return (self.accepted + 1.0) / (self.predicted + 1.0)
+        return self.trust.factor
 
     def build(self, root: int, logits: torch.Tensor, token_ids: torch.LongTensor | None) -> DraftTree:
         """The tree after `root` from the draft logits (L, V') of the block's L draft slots; token_ids (V',) maps
@@ -116,13 +114,12 @@ class TreeDrafting:
         if self.choosing_size:
             self.max_nodes, self.seconds = size, None
         tree = DraftTree(tree.tokens[:size], tree.parents[:size], ())
-        self.expected = float(reach[1:size].exp().sum())
+        self.trust.expected = float(reach[1:size].exp().sum())
         return tree
 
     def observe(self, accepted_drafts: int) -> None:
         """The last tree's round accepted this many drafts."""
-        self.accepted = CALIBRATION_DECAY * self.accepted + accepted_drafts
-        self.predicted = CALIBRATION_DECAY * self.predicted + self.expected
+        self.trust.observe(accepted_drafts)
 
 
 def auto_tree_drafting(cost: CostModel, block_size: int, one_size: bool = False) -> TreeDrafting:

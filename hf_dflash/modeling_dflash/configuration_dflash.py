@@ -440,10 +440,10 @@ def _check_layout(config) -> None:
         )
     policy = config.block_size_policy
     fixed = isinstance(policy, int) and not isinstance(policy, bool) and 2 <= policy <= config.block_size
-    if policy is not None and policy != "adaptive" and not fixed:
+    if policy is not None and policy not in ("adaptive", "confidence") and not fixed:
         raise ValueError(
-            f"block_size_policy={policy!r} must be None (the trained block size), 'adaptive', or an int k "
-            f"with 2 <= k <= block_size={config.block_size}."
+            f"block_size_policy={policy!r} must be None (the trained block size), 'adaptive', 'confidence', or an "
+            f"int k with 2 <= k <= block_size={config.block_size}."
         )
     if "sliding_attention" in config.layer_types and not config.sliding_window:
         raise ValueError("layer_types has sliding_attention layers but sliding_window is not set.")
@@ -518,8 +518,10 @@ class DFlashConfig(PreTrainedConfig):
             vLLM speculators), computing N rows of the target's LM head instead of all of them.
         block_size_policy: the block length per round the drafter's publisher recommends (what hf_dflash's
             loop uses unless `drafter.block_size_policy` is set): None (the trained `block_size`),
-            "adaptive" (chosen each round from acceptance and the measured cost of this machine), or a
-            fixed k with 2 <= k <= block_size. Other loaders ignore it.
+            "adaptive" (chosen each round from acceptance and the measured cost of this machine),
+            "confidence" (the whole block drafted, the prefix of its drafts worth verifying by the drafter's
+            own probabilities and the measured cost), or a fixed k with 2 <= k <= block_size. Other loaders
+            ignore it.
         conv_kernel_size, conv_group_size, selector_rank, selector_top_k: DFlash2 (docs/dflash2.md), all
             set or all None (DFlash): taps of the grouped dynamic convolution around each sublayer, channels
             per dynamic kernel, rank of the candidate selector's codebooks, candidates it ranks per slot.

@@ -1,10 +1,13 @@
-"""Chains: one drafter pass drafts `[bonus, MASK x (k - 1)]` for every row, k fixed or chosen each round."""
+"""Chains: one drafter pass drafts `[bonus, MASK x (k - 1)]` for every row, k fixed or chosen each round; under
+the "confidence" policy the round verifies the prefix of the drafts the drafter is confident enough in
+(`confidence.py`)."""
 
 from __future__ import annotations
 
 import torch
 
 from ..adaptive import BlockSizeController, FixedBlockSize
+from ..confidence import PrefixController
 from ..drafting import BlockDrafter, Drafts
 from ..proposal import Proposal
 from ..rows import Rows
@@ -31,7 +34,7 @@ class ChainDrafting:
         return True
 
     def takes_plain_steps(self) -> bool:
-        return not isinstance(self.controller, FixedBlockSize)  # adaptive or scheduled block lengths
+        return not isinstance(self.controller, FixedBlockSize)  # adaptive, scheduled or confident lengths
 
     def propose(self, rows: Rows, prefill: bool) -> Proposal:
         block_length = 1 if prefill else self.controller.choose(rows.active)
@@ -49,13 +52,16 @@ class ChainDrafting:
     def proposal(self, hidden: torch.Tensor, rows: Rows, prefixes, bonus, block_length: int) -> Proposal:
         """The proposal from the drafter's outputs (R, d, H): argmax tokens, or samples when sampling (a DFlash2
         drafter: its selector's walk from each row's bonus token (R,))."""
+        by_confidence = isinstance(self.controller, PrefixController)
         drafts = self.block.draft(
-            hidden, self.do_sample, self.logits_processor, rows.batch_size, rows.active, prefixes, anchors=bonus
+            hidden, self.do_sample, self.logits_processor, rows.batch_size, rows.active, prefixes, bonus, by_confidence
         )
+        if by_confidence:  # the prefix worth verifying (none: a plain step)
+            drafts = drafts.prefix(self.controller.prefix(drafts.probabilities))
         return Proposal(drafts, None, block_length, hidden.shape[1])
 
     def observe(self, rows: Rows, proposal: Proposal, verdict, committed, stats: AcceptanceStats) -> None:
-        self.controller.observe(rows.active, proposal.slots, verdict.num_accepted)
+        self.controller.observe(rows.active, proposal.num_drafts, verdict.num_accepted)
 
     def observe_block(self, accepted_drafts: int) -> None:
         """A wrapping strategy reports the drafts of this strategy's block the target accepted (a chain learns

@@ -1,0 +1,227 @@
+"""The "confidence" policy (`hf_dflash.generation.confidence`): the prefix choice by hand, its calibration, and
+losslessness whatever prefix is verified (greedy single and batched, DFlash and DFlash2, Transformers' loop with our
+generator, compiled verification, sampling)."""
+
+import pytest
+import torch
+
+from hf_dflash.generation.confidence import (
+    ConfidentPrefix,
+    DraftCalibration,
+    PrefixController,
+    best_prefix,
+    reach_probabilities,
+)
+from hf_dflash.generation.cost_model import CostModel
+from tests.conftest import VOCAB, OracleDrafter, make_drafter, make_target
+from tests.helpers.compiled import compiled_dflash
+from tests.helpers.generation import PAD, check_sampled_second_token, random_batch
+from tests.test_dflash2_serving import dflash2_drafter
+
+FLAT_COST = lambda k: 1.0  # noqa: E731  (every round costs the same: verify every draft)
+STEEP_COST = lambda n: 1.0 + 0.5 * (n - 1)  # noqa: E731  (one more token costs half a step)
+
+
+# --- the choice, by hand ---
+
+
+def test_reach_is_the_product_of_the_drafts_probabilities():
+    reach = reach_probabilities(torch.tensor([[0.5, 0.5, 0.2], [1.0, 0.1, 1.0]]))
+    torch.testing.assert_close(reach, torch.tensor([[0.5, 0.25, 0.05], [1.0, 0.1, 0.1]], dtype=torch.float64))
+
+
+def test_best_prefix_weighs_expected_tokens_against_the_cost_of_verifying_them():
+    seconds = torch.tensor([1.0, 1.5, 2.0, 2.5])  # a forward over 1..4 tokens
+    sure = reach_probabilities(torch.tensor([[0.99, 0.99, 0.99]]))
+    assert best_prefix(sure, seconds) == 3  # 3.94 tokens / 2.5 s beats 1 / 1
+    unsure = reach_probabilities(torch.tensor([[0.3, 0.9, 0.9]]))
+    assert best_prefix(unsure, seconds) == 0  # 1.3 / 1.5 < 1 / 1: a plain step
+    first_only = reach_probabilities(torch.tensor([[0.9, 0.2, 0.9]]))
+    assert best_prefix(first_only, seconds) == 1  # 1.9 / 1.5 against 2.08 / 2.0 and 1 / 1
+    assert best_prefix(first_only, seconds, calibration=0.5) == 0  # the drafter proved overconfident
+    assert best_prefix(sure, seconds, choices=(0, 3)) == 3 and best_prefix(unsure, seconds, choices=(0, 3)) == 0
+
+
+def test_best_prefix_sums_the_rows_and_takes_the_fewest_drafts_on_ties():
+    seconds = torch.tensor([1.0, 2.0, 3.0])
+    rows = reach_probabilities(torch.tensor([[1.0, 1.0], [0.0, 0.0]]))
+    assert best_prefix(rows, seconds) == 0  # 2 rows: 2 / 1 against 3 / 2 and 4 / 3
+    assert best_prefix(reach_probabilities(torch.tensor([[1.0, 1.0]])), torch.tensor([1.0, 2.0, 3.0])) == 0  # ties
+
+
+def test_calibration_learns_how_far_to_trust_the_drafter():
+    calibration = DraftCalibration()
+    assert calibration.factor == 1.0
+    for _ in range(20):  # the drafter expects 2 accepted drafts a round; the target keeps 1
+        calibration.expected = 2.0
+        calibration.observe(1.0)
+    assert 0.5 < calibration.factor < 0.56
+
+
+def test_under_compiled_verification_all_drafts_or_none():
+    controller = ConfidentPrefix(cost_model=CostModel.from_function(FLAT_COST, 4, STEEP_COST)).start(
+        None, make_drafter(make_target("llama"), block_size=4), 1, fixed_verification=True
+    )
+    assert isinstance(controller, PrefixController) and controller.choose([0]) == 4
+    assert controller.prefix(torch.tensor([[0.9, 0.2, 0.9]])) in (0, 3)
+    assert controller.prefix(torch.tensor([[0.01, 0.5, 0.5]])) == 0
+    # two drafts left (the end of the output) still cost the padded width: 2.44 tokens for 2.5 s lose to a step
+    assert controller.prefix(torch.tensor([[0.8, 0.8]])) == 0
+    eager = ConfidentPrefix(cost_model=CostModel.from_function(FLAT_COST, 4, STEEP_COST)).start(
+        None, make_drafter(make_target("llama"), block_size=4), 1
+    )
+    assert eager.prefix(torch.tensor([[0.8, 0.8]])) == 2  # 2.44 tokens for 2 s
+    with pytest.raises(ValueError, match="decay"):
+        ConfidentPrefix(decay=0)
+
+
+def test_plain_steps_without_a_drafter_pass_while_drafting_does_not_pay():
+    from hf_dflash.generation.confidence import PROBE_EVERY
+
+    # verifying n tokens costs 1 + 0.5 (n - 1); the drafter's pass 0.3 (a round of k: its pass + verifying k)
+    cost = CostModel.from_function(lambda k: 1.3 + 0.5 * (k - 1), 4, STEEP_COST)
+    controller = ConfidentPrefix(cost_model=cost).start(None, make_drafter(make_target("llama"), block_size=4), 1)
+    assert controller.choose([0]) == 4
+    assert controller.prefix(torch.tensor([[0.01, 0.01, 0.01]])) == 0  # 1 token for 1.3 s against 1 for 1
+    assert [controller.choose([0]) for _ in range(PROBE_EVERY)] == [1] * (PROBE_EVERY - 1) + [4]  # then a probe
+    controller.prefix(torch.tensor([[0.99, 0.99, 0.99]]))  # 3.9 tokens for 2.8 s: drafting pays again
+    assert controller.drafting_gain > 0 and controller.choose([0]) == 4
+
+
+def test_a_prefix_of_drafts_keeps_its_scores_and_probabilities():
+    from hf_dflash.generation.drafting import Drafts
+
+    drafts = Drafts(torch.arange(6).view(2, 3), torch.rand(2, 3, 5), torch.rand(2, 3))
+    prefix = drafts.prefix(1)
+    assert torch.equal(prefix.tokens, drafts.tokens[:, :1]) and torch.equal(prefix.scores, drafts.scores[:, :1])
+    assert torch.equal(prefix.probabilities, drafts.probabilities[:, :1])
+    assert Drafts(drafts.tokens).prefix(0).scores is None and Drafts(drafts.tokens).prefix(0).tokens.shape == (2, 0)
+
+
+# --- lossless whatever is verified ---
+
+
+@pytest.fixture
+def prefixes(monkeypatch):
+    """The number of drafts every round of the "confidence" policy verified."""
+    chosen = []
+    original = PrefixController.prefix
+
+    def spy(self, draft_probabilities):
+        chosen.append((original(self, draft_probabilities), draft_probabilities.shape[1]))
+        return chosen[-1][0]
+
+    monkeypatch.setattr(PrefixController, "prefix", spy)
+    return chosen
+
+
+def free_run(target, max_new_tokens: int = 40):
+    prompt = torch.randint(3, VOCAB, (1, 7), generator=torch.Generator().manual_seed(5))
+    return prompt, target.generate(prompt, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None)
+
+
+@pytest.mark.parametrize(
+    "kind, per_token, verified",
+    [
+        ("dflash", 0.5, "none"),  # a random drafter (q ~ 1 / vocab) where a token costs half a step: plain steps
+        ("dflash", 0.005, "first"),  # ... where it costs 0.005: the first draft (q ~ 0.01) pays, the second not
+        ("dflash2", 0.02, "all"),  # a DFlash2 selector far from identity is sure of its walk: whole blocks
+    ],
+)
+def test_greedy_equals_plain_greedy_with_any_prefix(kind, per_token, verified, prefixes):
+    target = make_target("qwen3")
+    prompt, free = free_run(target)
+    drafter = make_drafter(target, block_size=6) if kind == "dflash" else dflash2_drafter(target, block_size=6)
+    cost = CostModel.from_function(FLAT_COST, 6, lambda n: 1 + per_token * (n - 1))
+    drafter.block_size_policy = ConfidentPrefix(cost_model=cost)
+    output = target.generate(prompt, do_sample=False, max_new_tokens=40, eos_token_id=None, assistant_model=drafter)
+    assert torch.equal(output, free)
+    chosen = [m for m, _ in prefixes]
+    expected = {"none": lambda m, d: m == 0, "first": lambda m, d: m == 1, "all": lambda m, d: m == d}[verified]
+    assert sum(expected(m, d) for m, d in prefixes) >= 0.8 * len(prefixes), chosen
+    assert set(drafter.last_acceptance.block_sizes) <= {1, 6}
+
+
+def test_an_oracle_drafter_is_verified_whole_and_accepted():
+    target = make_target("llama")
+    prompt, free = free_run(target, 33)
+    oracle = OracleDrafter(
+        make_drafter(target, block_size=8).config, target.get_output_embeddings().weight, free
+    ).eval()
+    oracle.block_size_policy = ConfidentPrefix(cost_model=CostModel.from_function(FLAT_COST, 8, STEEP_COST))
+    output = target.generate(prompt, do_sample=False, max_new_tokens=33, eos_token_id=None, assistant_model=oracle)
+    assert torch.equal(output, free[:, : prompt.shape[1] + 33])
+    assert oracle.last_acceptance.acceptance_lengths == [8, 8, 8, 8]
+
+
+def test_batched_greedy_equals_plain_greedy(prefixes):
+    target = make_target("qwen2")
+    input_ids, attention_mask = random_batch(torch.Generator().manual_seed(2), 4)
+    kwargs = dict(
+        attention_mask=attention_mask, do_sample=False, max_new_tokens=30, eos_token_id=None, pad_token_id=PAD
+    )
+    free = target.generate(input_ids, **kwargs)
+    drafter = make_drafter(target, block_size=5)
+    drafter.block_size_policy = ConfidentPrefix(
+        cost_model=CostModel.from_function(FLAT_COST, 5, lambda n: 1 + 0.05 * n)
+    )
+    assert torch.equal(target.generate(input_ids, assistant_model=drafter, **kwargs), free)
+    assert prefixes and all(0 <= m <= drafts for m, drafts in prefixes)
+
+
+def test_transformers_loop_with_our_generator(prefixes, monkeypatch):
+    """Transformers' own assisted loop with our candidate generator under the policy: plain greedy, every round's
+    drafts counted as verified (the prefix), not as drafted."""
+    from transformers.generation.utils import GenerationMixin
+
+    from hf_dflash import DFlashCandidateGenerator
+
+    target = make_target("qwen3")
+    prompt, free = free_run(target, 30)
+    drafter = make_drafter(target, block_size=5)
+    policy = ConfidentPrefix(cost_model=CostModel.from_function(FLAT_COST, 5, lambda n: 1 + 0.005 * (n - 1)))
+    made = []
+
+    def candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs, **kw):
+        controller = policy.start(target, drafter, 1)
+        made.append(DFlashCandidateGenerator(drafter, self, generation_config, logits_processor, controller))
+        return made[-1]
+
+    monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", candidate_generator)
+    kwargs = dict(do_sample=False, max_new_tokens=30, eos_token_id=None)
+    output = target.generate(prompt, assistant_model=drafter, speculation_type="dflash", **kwargs)
+    assert torch.equal(output, free[:, : prompt.shape[1] + 30])
+    assert prefixes and all(m == 1 for m, _ in prefixes), prefixes  # q ~ 0.01: the first draft pays, no more
+    assert made[0].stats.acceptance_lengths and max(made[0].stats.acceptance_lengths) <= 2
+
+
+def test_compiled_verification_verifies_all_drafts_or_takes_a_plain_step(prefixes):
+    target = make_target("llama")
+    prompt, free = free_run(target, 24)
+    drafter = make_drafter(target, block_size=4)
+    drafter.block_size_policy = ConfidentPrefix(
+        cost_model=CostModel.from_function(FLAT_COST, 4, lambda n: 1 + 0.05 * n)
+    )
+    assert torch.equal(compiled_dflash(target, drafter, prompt, 24), free[:, : prompt.shape[1] + 24])
+    assert prefixes and all(m in (0, drafts) for m, drafts in prefixes)
+
+
+def test_the_policy_by_name_measures_the_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DFLASH_CACHE", str(tmp_path))
+    target = make_target("qwen3")
+    prompt, free = free_run(target, 12)
+    drafter = make_drafter(target, block_size=4)
+    drafter.block_size_policy = "confidence"
+    output = target.generate(prompt, do_sample=False, max_new_tokens=12, eos_token_id=None, assistant_model=drafter)
+    assert torch.equal(output, free[:, : prompt.shape[1] + 12])
+    assert list((tmp_path / "cost_models").glob("*.json"))
+
+
+def test_sampling_keeps_the_target_distribution(prefixes):
+    target = make_target("qwen3", seed=3)
+    drafter = make_drafter(target, block_size=4, seed=4)
+    drafter.block_size_policy = ConfidentPrefix(
+        cost_model=CostModel.from_function(FLAT_COST, 4, lambda n: 1 + 0.02 * (n - 1))
+    )
+    check_sampled_second_token(target, drafter, "confidence prefix", draws=600)
+    assert any(m > 0 for m, _ in prefixes)  # drafts verified (and, the helper checks, accepted)
