@@ -215,6 +215,8 @@ def test_cost_model_fingerprint_separates_models_and_machines(tmp_path, monkeypa
     drafter = make_drafter(target, block_size=8)
     key = cost_model_key(target, drafter)
     assert cost_model_key(make_target("llama", seed=5), make_drafter(target, block_size=8, seed=3)) == key  # weights
+    # a recommendation for serving, not a cost: flipping it must not throw a machine's timings away
+    assert cost_model_key(target, make_drafter(target, block_size=8, block_size_policy="confidence")) == key
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     try:

@@ -88,6 +88,22 @@ def test_plain_steps_without_a_drafter_pass_while_drafting_does_not_pay():
     assert controller.drafting_gain > 0 and controller.choose([0]) == 4
 
 
+def test_trees_and_the_hybrid_budget_size_their_own_drafts():
+    """A chain's confident prefix is no policy for strategies that size their drafts themselves: a drafter tree's
+    block and the hybrid budget run the adaptive block size under it."""
+    from hf_dflash.generation.adaptive import AdaptiveController, block_size_controller
+    from hf_dflash.generation.hybrid_budget import tree_budget
+
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=4)
+    cost = CostModel.from_function(FLAT_COST, 4, STEEP_COST)
+    drafter.block_size_policy = ConfidentPrefix(cost_model=cost)
+    assert isinstance(block_size_controller(drafter, target, 1), PrefixController)
+    assert isinstance(block_size_controller(drafter, target, 1, trees=True), AdaptiveController)
+    budget = tree_budget(drafter, target, max_ngram_tokens=4, one_branch=False)
+    assert budget.block is None and budget.cost_model is cost  # the adaptive budget over the policy's cost model
+
+
 def test_a_prefix_of_drafts_keeps_its_scores_and_probabilities():
     from hf_dflash.generation.drafting import Drafts
 

@@ -284,8 +284,20 @@ def block_size_policy(drafter: DFlashDraftModel, unset=None):
     return policy
 
 
+def sizing_its_own_drafts(policy):
+    """The block policy of a strategy that sizes its drafts itself (trees, the hybrid budget): a chain's confident
+    prefix (`ConfidentPrefix`) becomes the adaptive block size; other policies stay."""
+    if isinstance(policy, ConfidentPrefix):
+        return AdaptiveBlockSize(cost_model=policy.cost_model, cache_dir=policy.cache_dir)
+    return policy
+
+
 def block_size_controller(
-    drafter: DFlashDraftModel, target: PreTrainedModel, batch_size: int, fixed_verification: bool = False
+    drafter: DFlashDraftModel,
+    target: PreTrainedModel,
+    batch_size: int,
+    fixed_verification: bool = False,
+    trees: bool = False,
 ) -> BlockSizeController:
     """The controller for one `generate` call from `drafter.block_size_policy`; unset, the policy the
     drafter's config recommends (`DFlashConfig.block_size_policy`); neither: fixed B.
@@ -293,10 +305,12 @@ def block_size_controller(
     Accepted policies: None (the trained block size B), an int 1 <= k <= B, "adaptive", an
     `AdaptiveBlockSize`, "confidence", a `ConfidentPrefix` (`confidence.py`), or a callable round_index -> k.
     Anything else raises ValueError. `fixed_verification`: every round verifies B tokens (compiled verification;
-    `AdaptiveBlockSize.start`).
+    `AdaptiveBlockSize.start`). `trees`: the block of a drafter tree, which sizes itself (`sizing_its_own_drafts`).
     """
     max_block_size = drafter.config.block_size
     policy = block_size_policy(drafter)
+    if trees:
+        policy = sizing_its_own_drafts(policy)
     if policy is None:
         return FixedBlockSize(max_block_size)
     if isinstance(policy, (AdaptiveBlockSize, ConfidentPrefix)):

@@ -189,9 +189,14 @@ def measure_verification_seconds(
     return time_in_turn(one_pass, lengths, repeats, device)
 
 
+# Config fields that change no forward's cost: a model's name/path, the Transformers version that wrote it, and the
+# block size policy a drafter recommends (a serving choice; re-timing a machine for it would only add noise).
+COSTLESS_CONFIG_FIELDS = ("_name_or_path", "transformers_version", "block_size_policy")
+
+
 def config_digest(config) -> str:
-    """A hash of a model config's content (its name/path and the Transformers version excluded)."""
-    content = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    """A hash of a model config's content (`COSTLESS_CONFIG_FIELDS` excluded)."""
+    content = {k: v for k, v in config.to_dict().items() if k not in COSTLESS_CONFIG_FIELDS}
     content["attn_implementation"] = config._attn_implementation
     return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

@@ -18,6 +18,7 @@ from .adaptive import (
     block_size_controller,
     block_size_policy,
     expected_tokens,
+    sizing_its_own_drafts,
     update_acceptance_counts,
 )
 from .cost_model import CostModel
@@ -185,12 +186,13 @@ def tree_budget(
     one_branch: bool,
     verification_width: int | None = None,
 ) -> TreeBudget:
-    """The budget of one hybrid `generate` call from the drafter's block size policy (`block_size_policy`): unset or
-    "adaptive" (the default here: the cost model measured once per pair and machine, verification passes included), an
-    `AdaptiveBlockSize`, a fixed k or a schedule (tree = that block + every n-gram draft found).
+    """The budget of one hybrid `generate` call from the drafter's block size policy (`block_size_policy`): unset,
+    "adaptive" or "confidence" (the default here: the cost model measured once per pair and machine, verification
+    passes included; the budget weighs both branches itself, so a chain's confident prefix becomes the adaptive
+    budget), an `AdaptiveBlockSize`, a fixed k or a schedule (tree = that block + every n-gram draft found).
     `verification_width`: every round verifies that many tokens (compiled verification pads to one shape),
     so the budget weighs only the drafter's pass (`CostModel.at_fixed_verification`)."""
-    policy = block_size_policy(drafter, unset="adaptive")
+    policy = sizing_its_own_drafts(block_size_policy(drafter, unset="adaptive"))
     max_block_size = drafter.config.block_size
     if isinstance(policy, AdaptiveBlockSize):
         cost_model = policy.cost_model

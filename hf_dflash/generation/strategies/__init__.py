@@ -31,7 +31,7 @@ def drafting_strategy(
     # Sampling with hybrid drafting chooses one branch before verification: the block stays a chain there.
     trees = None if hybrid and do_sample else tree_drafting(drafter, target, fixed_width)
     trees = verifiable_trees(trees, target, cache, generation_config.max_length, batch_size)
-    controller = None if hybrid else block_size_controller(drafter, target, batch_size, fixed_width)
+    controller = None if hybrid else block_size_controller(drafter, target, batch_size, fixed_width, trees is not None)
     if trees is None:
         strategy = ChainDrafting(block, controller, do_sample, logits_processor)
     else:
