@@ -38,6 +38,13 @@ class Drafts:
         return Drafts(*(None if x is None else x[:, :length] for x in (self.tokens, self.scores, self.probabilities)))
 
 
+def probability_of(scores: torch.Tensor, chosen: torch.LongTensor, normalised: bool = False) -> torch.Tensor:
+    """(..., d) the probability of each chosen index (..., d) under scores (..., d, N): logits softmaxed, or
+    distributions already (`normalised`)."""
+    distributions = scores if normalised else scores.float().softmax(-1)
+    return distributions.gather(-1, chosen[..., None])[..., 0]
+
+
 class BlockDrafter:
     """Drafts `[bonus, MASK x (k - 1)]` blocks for B rows in one drafter pass per round."""
 
@@ -110,20 +117,17 @@ class BlockDrafter:
             if selector is None:  # the argmax and its probability, over the draft ids' logits alone
                 logits = self.drafter.draft_logits(hidden, self.lm_head, full_vocab=False)
                 best = logits.max(-1).indices
-                chosen = logits.float().softmax(-1).gather(-1, best[..., None])[..., 0]
                 ids = self.drafter.draft_token_ids
-                return Drafts(best if ids is None else ids.to(best.device)[best], None, chosen)
+                return Drafts(best if ids is None else ids.to(best.device)[best], None, probability_of(logits, best))
             if anchors is not None:  # the walk over the draft ids' logits alone (no full-vocabulary scatter)
                 logits = self.drafter.draft_logits(hidden, self.lm_head, full_vocab=False)
                 path = selector.walk(hidden, logits, anchors, token_ids=self.drafter.draft_token_ids)[0]
                 if not confidence:
                     return Drafts(path.tokens)
-                chosen = path.scores.float().softmax(-1).gather(-1, path.choices[..., None])[..., 0]
-                return Drafts(path.tokens, None, chosen)
+                return Drafts(path.tokens, None, probability_of(path.scores, path.choices))
         drafts = self.processed_drafts(hidden, do_sample, logits_processor, batch_size, rows, prefixes, anchors)
         if confidence:  # scores: the distributions drawn from (sampling), else logits / selector scores
-            distributions = drafts.scores if do_sample else drafts.scores.float().softmax(-1)
-            drafts.probabilities = distributions.gather(-1, drafts.tokens[..., None])[..., 0]
+            drafts.probabilities = probability_of(drafts.scores, drafts.tokens, normalised=do_sample)
         return drafts
 
     def processed_drafts(self, hidden, do_sample: bool, logits_processor, batch_size: int, rows, prefixes, anchors):
