@@ -85,7 +85,58 @@ def test_plain_steps_without_a_drafter_pass_while_drafting_does_not_pay():
     assert controller.prefix(torch.tensor([[0.01, 0.01, 0.01]])) == 0  # 1 token for 1.3 s against 1 for 1
     assert [controller.choose([0]) for _ in range(PROBE_EVERY)] == [1] * (PROBE_EVERY - 1) + [4]  # then a probe
     controller.prefix(torch.tensor([[0.99, 0.99, 0.99]]))  # 3.9 tokens for 2.8 s: drafting pays again
-    assert controller.drafting_gain > 0 and controller.choose([0]) == 4
+    assert controller.choose([0]) == 4 and controller.drafting_gain > 0  # weighed when the round ends
+
+
+def timed_confident_choices(monkeypatch, cost: CostModel, drafted_seconds: float, calibrate: bool) -> list[int]:
+    """The block lengths a controller (B = 4) chooses over 12 rounds when a drafted round takes `drafted_seconds`
+    and a plain step 1 s (a fake clock), the drafter 90% sure of each draft and every draft accepted."""
+    import hf_dflash.generation.confidence as confidence
+
+    controller = PrefixController(4, cost, False, DraftCalibration(), calibrate=calibrate)
+    now = [0.0]
+
+    def clock():
+        if controller.pending is not None:
+            now[0] += 1.0 if controller.pending[1] is None else drafted_seconds
+        return now[0]
+
+    monkeypatch.setattr(confidence.time, "perf_counter", clock)
+    chosen = []
+    for _ in range(12):
+        chosen.append(controller.choose([0]))
+        if chosen[-1] > 1:
+            drafts = controller.prefix(torch.full((1, 3), 0.9))
+            controller.observe([0], drafts, torch.tensor([drafts]))
+    return chosen
+
+
+def test_timed_rounds_correct_a_cost_model_that_overprices_drafting(monkeypatch):
+    """A cost model timed while something else ran may price the drafter's pass far above its cost (here 3 s, where
+    a whole drafted round takes 1.8 s and a plain step 1 s): the drafter's 3.4 expected tokens would lose to plain
+    steps, drafted again only to probe. The calibrating controller (a measured cost model) times each round from one
+    choice to the next, and weighs drafting by what its drafted rounds took against their modelled prices."""
+    verify = lambda n: 1.0 + 0.1 * (n - 1)  # noqa: E731
+    overpriced = CostModel.from_function(lambda k: 1.0 if k == 1 else 3.0 + verify(k), 4, verify)
+    assert timed_confident_choices(monkeypatch, overpriced, 1.8, calibrate=True) == [4] * 12
+    assert timed_confident_choices(monkeypatch, overpriced, 1.8, calibrate=False)[:3] == [4, 1, 1]  # as given
+
+
+def test_timed_rounds_fall_back_to_plain_steps_where_drafting_does_not_pay(monkeypatch):
+    underpriced = CostModel.from_function(lambda k: 1.0 if k == 1 else 1.2, 4, lambda n: 1.0 if n == 1 else 1.1)
+    assert timed_confident_choices(monkeypatch, underpriced, 1.2, calibrate=True) == [4] * 12
+    chosen = timed_confident_choices(monkeypatch, underpriced, 8.0, calibrate=True)  # 4 tokens in 8 s
+    assert chosen[:3] == [4, 1, 1] and chosen.count(4) == 2  # one probe in the 11 rounds after the first
+
+
+def test_a_measured_cost_model_is_calibrated_and_a_given_one_is_not(monkeypatch):
+    import hf_dflash.generation.confidence as confidence
+
+    drafter = make_drafter(make_target("llama"), block_size=4)
+    cost = CostModel.from_function(FLAT_COST, 4, STEEP_COST)
+    assert not ConfidentPrefix(cost_model=cost).start(None, drafter, 1).calibrate
+    monkeypatch.setattr(confidence, "measured_cost_model", lambda *args, **kwargs: cost)
+    assert ConfidentPrefix().start(None, drafter, 1).calibrate
 
 
 def test_trees_and_the_hybrid_budget_size_their_own_drafts():

@@ -72,7 +72,7 @@ def shipped_fp32():
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("policy", [None, "confidence"])  # the recommended policy, and the confident prefix
+@pytest.mark.parametrize("policy", [None, "adaptive"])  # the recommended policy (the confident prefix), and adaptive
 def test_lossless_and_accepting_on_the_real_target(real_target, shipped_fp32, policy):
     shipped_fp32.block_size_policy = policy
     target, tokenizer = real_target

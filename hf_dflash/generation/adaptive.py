@@ -33,11 +33,10 @@ from transformers import PreTrainedModel
 
 from ..modeling_dflash import DFlashDraftModel
 from .confidence import ConfidentPrefix
-from .cost_model import CostModel
+from .cost_model import CostModel, running_seconds
 from .cost_timing import measured_cost_model
 
 POLICY_ATTRIBUTE = "block_size_policy"  # the drafter attribute `generate` reads
-ROUND_TIME_DECAY = 0.8  # weight a k's timed rounds keep when another comes (timing noise vs a changing context)
 
 
 # --- acceptance estimates (pure) ---
@@ -251,9 +250,7 @@ class AdaptiveController:
     def time_round(self, rows: int, k: int, seconds: float) -> None:
         """A round of `rows` rows at block length k took `seconds` (a running average per k, recent rounds first)."""
         measured = self.measured.setdefault(rows, {})
-        measured[k] = (
-            seconds if k not in measured else ROUND_TIME_DECAY * measured[k] + (1 - ROUND_TIME_DECAY) * seconds
-        )
+        measured[k] = running_seconds(measured.get(k), seconds)
 
     def observe(self, rows: Sequence[int], num_drafts: int, num_accepted: torch.Tensor) -> None:
         index = list(rows)

@@ -15,10 +15,19 @@ every `PROBE_EVERY` rounds to see whether that changed.
 
 Any prefix is lossless: the target verifies whatever is sent. Under compiled verification every round with drafts
 reads the block's width, so m is all drafts or none (a plain step, its own graph).
+
+A measured cost model is corrected by the call's own rounds, each timed from one choice to the next: whether drafting
+pays is weighed with the drafted rounds' modelled prices scaled by how long they took against them, and a plain
+step's time once one was timed (as the adaptive block size's `calibrated_seconds`). A cost model timed while something
+else ran would otherwise keep a call from drafting, or drafting where it loses. (Scaling every drafted round alike
+leaves the prefix choice itself as modelled: on a quiet machine the model prices each kind of round within a few per
+cent, compiled rounds ~15% under their eager prices but alike, docs/results.md, "Does the cost model price the rounds
+the loop runs?")
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +36,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..modeling_dflash import DFlashDraftModel
-from .cost_model import CostModel
+from .cost_model import CostModel, running_seconds
 from .cost_timing import measured_cost_model
 
 CALIBRATION_DECAY = 0.9  # weight kept by past rounds in the calibration of the drafter's probabilities
@@ -99,46 +108,87 @@ class ConfidentPrefix:
         if cost_model is None:
             rows = sorted({1, batch_size})
             cost_model = measured_cost_model(target, drafter, rows, self.cache_dir, verification=True)
-        return PrefixController(block_size, cost_model, fixed_verification, DraftCalibration(self.decay))
+        calibrate = self.cost_model is None  # a cost model passed in is used as given
+        return PrefixController(block_size, cost_model, fixed_verification, DraftCalibration(self.decay), calibrate)
+
+
+@dataclass
+class TimedRounds:
+    """One call's timed rounds of one row count: a plain step's running time, and drafted rounds' running ratio of
+    their time to their modelled price."""
+
+    plain_seconds: float | None = None
+    drafted_ratio: float | None = None
 
 
 @dataclass
 class PrefixController:
     """One call's prefix choice: the whole block drafted each round while drafting pays (`choose`), the drafts to
-    verify chosen from their reach (`prefix`), the calibration learned from what the target accepted (`observe`)."""
+    verify chosen from their reach (`prefix`), the calibration learned from what the target accepted (`observe`);
+    with `calibrate`, the rounds' wall time (from one `choose` to the next) corrects the prices of the choice to
+    draft (see the module docstring)."""
 
     block_size: int
     cost_model: CostModel
     fixed_verification: bool
     calibration: DraftCalibration
+    calibrate: bool = False
     # rows -> (seconds of a round verifying m = 0..B-1 drafts (B,), the drafter's pass at block B)
     seconds: dict[int, tuple[torch.Tensor, float]] = field(init=False, default_factory=dict)
     drafting_gain: float = field(init=False, default=0.0)  # discounted tokens/s of drafted rounds over plain steps
     plain_rounds: int = field(init=False, default=0)  # plain steps taken in a row because drafting did not pay
+    timed: dict[int, TimedRounds] = field(init=False, default_factory=dict)  # rows -> this call's timed rounds
+    pending: tuple[int, int | None, float] | None = field(init=False, default=None)  # (rows, m or None, start)
 
     def choose(self, rows: Sequence[int]) -> int:
+        now = time.perf_counter()
+        if self.pending is not None:
+            self.end_round(now)
+        self.pending = (len(rows), None, now)  # a plain step unless `prefix` says how many drafts it verifies
         if self.drafting_gain < 0 and self.plain_rounds < PROBE_EVERY - 1:
             self.plain_rounds += 1
             return 1
         self.plain_rounds = 0
         return self.block_size
 
-    def prefix(self, draft_probabilities: torch.Tensor) -> int:
-        """How many of the drafts to verify, from the drafter's probability of each (R, d)."""
-        rows, drafts = draft_probabilities.shape
+    def prices(self, rows: int) -> tuple[torch.Tensor, float]:
+        """(seconds of a round verifying m = 0..B-1 drafts (B,), the drafter's pass), as modelled."""
         if rows not in self.seconds:
             verify = self.cost_model.verification_seconds_per_length(rows, self.block_size)
             if self.fixed_verification:  # every round with drafts is padded to the block's width
                 verify[1:] = verify[-1]
             self.seconds[rows] = (verify, float(self.cost_model.drafter_seconds(rows, self.block_size)[-1]))
-        verify, drafting = self.seconds[rows]
+        return self.seconds[rows]
+
+    def prefix(self, draft_probabilities: torch.Tensor) -> int:
+        """How many of the drafts to verify, from the drafter's probability of each (R, d)."""
+        rows, drafts = draft_probabilities.shape
+        verify, _ = self.prices(rows)
         reach = reach_probabilities(draft_probabilities)
         choices = (0, drafts) if self.fixed_verification else None
         m = best_prefix(reach, verify, self.calibration.factor, choices)
         self.calibration.expected = float(reach[:, :m].sum()) / rows
-        drafted = (1 + self.calibration.factor * self.calibration.expected) / (drafting + float(verify[m]))
-        self.drafting_gain = self.calibration.decay * self.drafting_gain + drafted - 1 / float(verify[0])
+        if self.pending is not None:
+            self.pending = (self.pending[0], m, self.pending[2])
         return m
+
+    def end_round(self, now: float) -> None:
+        """The round begun at the last `choose` ended: time it (with `calibrate`) and, when it drafted, weigh what
+        its drafting gained over a plain step (`drafting_gain`)."""
+        rows, m, start = self.pending
+        verify, drafting = self.prices(rows)
+        priced = float(verify[0]) if m is None else drafting + float(verify[m])
+        timed = self.timed.setdefault(rows, TimedRounds())
+        if self.calibrate and m is None:
+            timed.plain_seconds = running_seconds(timed.plain_seconds, now - start)
+        elif self.calibrate:
+            timed.drafted_ratio = running_seconds(timed.drafted_ratio, (now - start) / priced)
+        if m is None:
+            return
+        drafted_seconds = priced * (timed.drafted_ratio or 1.0)
+        plain_seconds = timed.plain_seconds or float(verify[0])
+        drafted = (1 + self.calibration.factor * self.calibration.expected) / drafted_seconds
+        self.drafting_gain = self.calibration.decay * self.drafting_gain + drafted - 1 / plain_seconds
 
     def observe(self, rows: Sequence[int], num_drafts: int, num_accepted: torch.Tensor) -> None:
         if num_drafts:

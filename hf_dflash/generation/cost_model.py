@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 import torch
 
 MEASURED_BLOCK_LENGTHS = (1, 2, 4, 8, 16)
+ROUND_TIME_DECAY = 0.8  # weight earlier timings of a round keep when another comes (timing noise vs a changing context)
 MEASURED_VERIFICATION_LENGTHS = (1, 2, 4, 8, 12, 16, 20, 24, 32, 48, 64)
+
+
+def running_seconds(previous: float | None, seconds: float) -> float:
+    """A round's running time in one call: `seconds` when it is the first timing, else recent timings weigh more
+    (`ROUND_TIME_DECAY`)."""
+    return seconds if previous is None else ROUND_TIME_DECAY * previous + (1 - ROUND_TIME_DECAY) * seconds
 
 
 def interpolate(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
