@@ -1,0 +1,88 @@
+"""Average the weights of drafters trained from one starting point (a "model soup") into one Hub-native drafter.
+
+Two training cycles that start from the same weights on different draws of the data land in one basin: their mean
+often accepts more than either (the seventh and eighth v6 cycles, both from the sixth: held-out served τ 3.368 and
+3.403, their mean 3.471; docs/drafter-history.md). Every drafter must have the same architecture (the same config
+apart from its dtype and serving settings); the mean is taken in fp32 and saved in `--dtype` (default bfloat16):
+
+    python scripts/average_drafters.py models/smollm2-135m-instruct-dflash out/v6h/n64 --out out/soup
+    python benchmarks/training/heldout_tau.py out/soup --eval-part regen-bf16-part2 --samples 64
+
+The first drafter's config (with its serving recommendation, `block_size_policy`) is the result's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from hf_dflash.checkpoints import load_drafter
+from hf_dflash.checkpoints.converting import check_destination
+from hf_dflash.checkpoints.hub import save_hub
+from hf_dflash.user_errors import run_reporting_errors
+
+# Config fields that do not shape the weights (where it was loaded from, dtype, serving settings): they may differ.
+NOT_ARCHITECTURE = ("_name_or_path", "dtype", "torch_dtype", "block_size_policy", "use_cache", "transformers_version")
+
+
+def architecture(config) -> dict:
+    """The config fields that shape the weights (everything but `NOT_ARCHITECTURE`)."""
+    return {key: value for key, value in config.to_dict().items() if key not in NOT_ARCHITECTURE}
+
+
+def check_same_architecture(configs: Sequence, names: Sequence[str]) -> None:
+    """ValueError naming the first field where a drafter's config differs from the first one's."""
+    first = architecture(configs[0])
+    for config, name in zip(configs[1:], names[1:], strict=True):
+        other = architecture(config)
+        for key in sorted(set(first) | set(other)):
+            if first.get(key) != other.get(key):
+                raise ValueError(
+                    f"{name} has {key}={other.get(key)!r} where {names[0]} has {first.get(key)!r}: only drafters "
+                    "of one architecture (trained from one starting point) can be averaged."
+                )
+
+
+def average_state_dicts(state_dicts: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The element-wise fp32 mean of state dicts with the same keys and shapes."""
+    keys = set(state_dicts[0])
+    for state_dict in state_dicts[1:]:
+        if set(state_dict) != keys:
+            raise ValueError(f"the drafters' weights differ in names: {sorted(keys ^ set(state_dict))[:5]}")
+    return {key: torch.stack([sd[key].float() for sd in state_dicts]).mean(0) for key in state_dicts[0]}
+
+
+def average_drafters(paths: Sequence[str], out_dir: str | Path, dtype: str = "bfloat16") -> Path:
+    """Load every drafter (fp32), check one architecture, save the mean of their weights to `out_dir` (new)."""
+    if len(paths) < 2:
+        raise ValueError(f"average_drafters needs at least two drafters, got {len(paths)}.")
+    out_dir = Path(out_dir)
+    for path in paths:  # never write over a checkpoint, nor into a folder holding one of the sources
+        check_destination(path, out_dir, overwrite=False)
+    drafters = [load_drafter(path, dtype=torch.float32) for path in paths]
+    check_same_architecture([drafter.config for drafter in drafters], [str(path) for path in paths])
+    soup = drafters[0]
+    soup.load_state_dict(average_state_dicts([drafter.state_dict() for drafter in drafters]))
+    return save_hub(soup, out_dir, dtype=getattr(torch, dtype))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("drafters", nargs="+", help="drafter folders (either checkpoint format), one architecture")
+    parser.add_argument("--out", required=True, help="new output folder (Hub-native drafter)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="saved weights' dtype")
+    args = parser.parse_args(argv)
+
+    def work() -> None:
+        out = average_drafters(args.drafters, args.out, args.dtype)
+        print(f"Wrote the mean of {len(args.drafters)} drafters to {out}")
+
+    return run_reporting_errors("average_drafters.py", work)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
