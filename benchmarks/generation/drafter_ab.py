@@ -25,6 +25,7 @@ from hf_dflash.bench.methods import PROMPT_LOOKUP_NUM_TOKENS
 from hf_dflash.bench.prompts import load_prompt_sets
 from hf_dflash.bench.runner import chat_inputs
 from hf_dflash.checkpoints import load_drafter
+from hf_dflash.generation.adaptive import parse_block_size_policy
 from hf_dflash.json_files import write_json_atomic
 from hf_dflash.targets import load_target
 
@@ -43,11 +44,13 @@ def selector_off(drafter) -> Iterator[None]:
         drafter.candidate_selector = selector
 
 
-def arms(paths: list[str]) -> list[tuple[str, torch.nn.Module, bool]]:
-    """(label, drafter, selector off) per arm: every drafter, and a DFlash2 one again without its selector."""
+def arms(paths: list[str], block_size_policy: str = "recommended") -> list[tuple[str, torch.nn.Module, bool]]:
+    """(label, drafter, selector off) per arm: every drafter, and a DFlash2 one again without its selector; each
+    drafter's block length per round from `block_size_policy` (as `hf-dflash bench --block-size-policy`)."""
     result = []
     for path in paths:
         drafter = load_drafter(path, dtype=torch.float32).eval()
+        drafter.block_size_policy = parse_block_size_policy(block_size_policy, drafter.config.block_size)
         result.append((path, drafter, False))
         if drafter.candidate_selector is not None:
             result.append((f"{path}:unary", drafter, True))
@@ -74,7 +77,7 @@ def run(args: argparse.Namespace) -> dict:
     target, tokenizer = load_target(args.target, dtype="float32")
     records = load_prompt_sets(args.sets.split(","), num_prompts=args.num_prompts).values()
     prompts = [record for records_of_set in records for record in records_of_set]
-    drafter_arms = arms(args.drafters)
+    drafter_arms = arms(args.drafters, args.block_size_policy)
     collected = {}  # "label mode" -> (round lengths, block lengths, [block, n-gram] accepted drafts)
     for record in prompts:
         inputs = chat_inputs(tokenizer, record["messages"][:1], target.device)
@@ -126,6 +129,12 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=4, help="prompts per set (seed 0, as the bench samples)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--block-size-policy",
+        default="recommended",
+        help="'recommended' (each drafter config's), 'trained' (the whole block every round: acceptance alone, "
+        "no timing in the choice), 'adaptive', 'confidence' or k",
+    )
     parser.add_argument("--out", default="out/drafter_ab.json")
     args = parser.parse_args()
     result = run(args)
