@@ -435,6 +435,7 @@ def register_bench(subparsers) -> None:
         type=_names,
         default=None,
         help=f"comma-separated sets from {','.join(BENCH_SETS)} (code-edit: copy-heavy HumanEval edits; "
+        "long-docs, long-code: documents and code files of 3k-12k characters with a task; "
         f"default: the evaluation sets {','.join(EVAL_SETS)}, or none with --prompts)",
     )
     parser.add_argument(

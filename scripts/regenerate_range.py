@@ -69,6 +69,7 @@ def regenerate(args: argparse.Namespace, work: Path) -> None:
     regenerate_responses(
         model, tokenizer, prompts, work / "responses", max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size, shard_size=args.shard_size, max_prompt_tokens=args.max_prompt_tokens, seed=0,
+        temperature=args.temperature,
     )  # fmt: skip
 
 
@@ -92,17 +93,19 @@ def tokenize_and_pack(args: argparse.Namespace, work: Path) -> int:
     model, tokenizer = load_target(args.target)  # converts the target once if this machine has not yet
     batching = "continuous batching" if continuous_batching_supported(model) else "static left-padded batches"
     data = args.data or DATA / args.target
-    tokenize_responses(tokenizer, work / "responses", work / "tokenized", max_length=1024, block_size=8)
+    tokenize_responses(tokenizer, work / "responses", work / "tokenized", max_length=args.max_length, block_size=8)
     corpus = work / "corpus-record"
     corpus.mkdir(exist_ok=True)
     (corpus / "config.json").write_text((Path(args.prompts).parent / "config.json").read_text())
-    dtype = read_json_object(work / "responses" / "config.json", "regeneration settings")["dtype"]
-    dtype = dtype.removeprefix("torch.")
+    settings = read_json_object(work / "responses" / "config.json", "regeneration settings")
+    dtype = settings["dtype"].removeprefix("torch.")
+    decoding = "greedily" if not settings["temperature"] else f"by sampling at temperature {settings['temperature']}"
     span = f"{args.start} to {args.end - 1}" if args.end is not None else f"{args.start} onwards"
     note = (
-        f"corpus prompts {span} ({os.path.relpath(args.prompts, REPO.parent)}), regenerated greedily in {dtype} with "
+        f"corpus prompts {span} ({os.path.relpath(args.prompts, REPO.parent)}), regenerated {decoding} in {dtype} with "
         f"{batching} ({args.batch_size} rows, shards of {args.shard_size}), {args.threads} torch thread(s) "
-        f"per job, by scripts/regenerate_range.py; tokenized max_length 1024, block_size 8 (>= 16 supervised tokens)"
+        f"per job, prompts <= {args.max_prompt_tokens} tokens, <= {args.max_new_tokens} new tokens, by "
+        f"scripts/regenerate_range.py; tokenized max_length {args.max_length}, block_size 8 (>= 16 supervised tokens)"
     )
     return subprocess.run(
         [sys.executable, "-m", "hf_dflash.cli", "pack-data", "--tokenized", str(work / "tokenized"), "--out", str(data),
@@ -124,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-size", type=int, default=DEFAULT_REGENERATION_SHARD)
     parser.add_argument("--max-new-tokens", type=int, default=384)
     parser.add_argument("--max-prompt-tokens", type=int, default=512)
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sample (static batches)"
+    )
+    parser.add_argument("--max-length", type=int, default=1024, help="tokenized sample length (--pack)")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("REGEN_THREADS", "1")))
     parser.add_argument("--data", default=None, help="packed folder to append to (default: data/TARGET)")
     parser.add_argument("--work", default=None, help="scratch folder (default: out/regen/PART, out/regen-TARGET/PART)")

@@ -275,3 +275,20 @@ def test_smollm2_smoke_on_one_gsm8k_prompt(real_target, tmp_path):
     assert all(stats["identical"] in (None, True) for stats in report["overall"]["methods"].values())
     assert report["sets"]["gsm8k"]["methods"]["dflash"]["tau"] == pytest.approx(1.0, abs=0.5)
     validate_benchmark(report["card"])
+
+
+@pytest.mark.real_model  # reads the pinned evaluation packages (make test installs them)
+def test_long_prompt_sets_hold_long_english_documents_with_a_task():
+    from hf_dflash.bench.prompts import BENCH_SETS, LONG_PROMPT_CHARS, select_prompt_sets
+
+    for name, source in (("long-docs", "writingbench"), ("long-code", "arena-hard")):
+        records = BENCH_SETS[name]()
+        assert len(records) >= 30, name
+        assert {record["source"] for record in records} == {name}
+        assert all(record["id"].startswith(f"{source}:") for record in records)
+        texts = [record["messages"][-1]["content"] for record in records]
+        assert all(LONG_PROMPT_CHARS[0] <= len(text) <= LONG_PROMPT_CHARS[1] for text in texts), name
+        assert all(sum(char.isascii() for char in text) >= 0.95 * len(text) for text in texts), name
+        first, _ = select_prompt_sets([name], num_prompts=3, seed=0)
+        again, sizes = select_prompt_sets([name], num_prompts=3, seed=0)
+        assert first == again and sizes[name] == len(records)

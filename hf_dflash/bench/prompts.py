@@ -8,6 +8,10 @@ Besides the eight evaluation sets, `code-edit` is a copy-heavy set (the workload
 for): each HumanEval function (its prompt + canonical solution, i.e. signature, docstring and body) with
 one of `CODE_EDIT_INSTRUCTIONS` (task i gets instruction i mod 4), asking for the whole edited function
 back. Built deterministically from the pinned HumanEval file, nothing else.
+
+`long-docs` and `long-code` are the long prompts chat users send (a document or a code file with a task):
+WritingBench's and Arena-Hard v2.0's (non-creative) English prompts of `LONG_PROMPT_CHARS` characters (about
+750-3,000 SmolLM2 tokens), ids kept from their source. The training corpora never held these packages' prompts.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ __all__ = [
     "CODE_EDIT_INSTRUCTIONS",
     "DEFAULT_SET_PROMPTS",
     "EVAL_SETS",
+    "LONG_PROMPT_CHARS",
     "load_code_edit",
+    "load_long_prompts",
     "load_prompt_sets",
     "sample_records",
     "select_prompt_sets",
@@ -68,9 +74,27 @@ def load_code_edit(limit: int | None = None) -> list[dict]:
     ]
 
 
-# every set `--sets` accepts: the evaluation sets and the built copy-heavy one
+# [shortest, longest] user turn of the long-prompt sets, in characters
+LONG_PROMPT_CHARS = (3_000, 12_000)
+
+
+def load_long_prompts(name: str, source: str) -> list[dict]:
+    """The records of evaluation `source` whose (single) user turn is long and English (>= 95% ASCII characters),
+    under the set's `name`, ids kept."""
+    shortest, longest = LONG_PROMPT_CHARS
+    return [
+        {**prompt, "source": name}
+        for prompt in load_source(source)
+        for text in [prompt["messages"][-1]["content"]]
+        if shortest <= len(text) <= longest and sum(char.isascii() for char in text) >= 0.95 * len(text)
+    ]
+
+
+# every set `--sets` accepts: the evaluation sets, the built copy-heavy one and the long-prompt ones
 BENCH_SETS = {**{name: lambda source=source: load_source(source) for name, source in EVAL_SETS.items()},
-              "code-edit": load_code_edit}  # fmt: skip
+              "code-edit": load_code_edit,
+              "long-docs": lambda: load_long_prompts("long-docs", "writingbench"),
+              "long-code": lambda: load_long_prompts("long-code", "arena-hard")}  # fmt: skip
 
 
 def sample_records(records: list[dict], num_prompts: int, seed: int, name: str) -> list[dict]:
