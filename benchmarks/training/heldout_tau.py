@@ -12,6 +12,10 @@ does not move when more data is packed; without it, the last `--samples` chats).
 With `--reply-tokens 128` each reply is scored over its first 128 tokens only, as `generate(max_new_tokens=128)`
 serves it: the figure to set beside a 128-token bench (τ is lowest at the start of a reply).
 
+With `--temperatures 0.7,1.0` it also scores sampling (`hf_dflash.trainer.sampling_tau`): the expected all-anchor
+τ when `generate(do_sample=True, temperature=T)` serves the chain with drafts sampled from the drafter ("sample"), its
+argmax ("argmax") or its top-N tokens per slot ("top-N"), each verified losslessly.
+
 Per data source (the sample id's prefix: gsm8k, sharegpt, ...) it prints the served-walk τ too, the table
 that shows the weakest domain. With `--tree-budgets 8,16,32,64` it also scores draft trees (`served_tree_tau_estimates`): the τ greedy
 verification of the drafter's best-first tree of N nodes would serve, beside the chain's, before any
@@ -29,6 +33,7 @@ from hf_dflash.checkpoints import load_drafter
 from hf_dflash.targets import load_target
 from hf_dflash.trainer.consistency import served_tree_tau_estimates
 from hf_dflash.trainer.heldout import held_out_samples, heldout_tau_row
+from hf_dflash.trainer.sampling_tau import sampling_tau_estimate
 
 
 def main() -> None:
@@ -48,6 +53,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--tree-budgets", default="", help="comma-separated tree sizes N (nodes, root included)")
     parser.add_argument("--top-k", type=int, default=16, help="candidates per draft slot in a tree")
+    parser.add_argument("--temperatures", default="", help="comma-separated sampling temperatures > 0 to score")
     parser.add_argument("--out", default="out/heldout_tau.json")
     args = parser.parse_args()
     budgets = [int(n) for n in args.tree_budgets.split(",") if n]
@@ -59,6 +65,9 @@ def main() -> None:
         parser.error(f"--reply-tokens must be >= 2 (tokens served per reply), got {args.reply_tokens}.")
     if budgets and args.reply_tokens is not None:
         parser.error("--reply-tokens scores the chain only; drop --tree-budgets or --reply-tokens.")
+    temperatures = [float(t) for t in args.temperatures.split(",") if t]
+    if any(t <= 0 for t in temperatures):
+        parser.error(f"--temperatures must be > 0 (greedy is the default figure), got {args.temperatures!r}.")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
@@ -88,6 +97,14 @@ def main() -> None:
                     f"  tree of {n} nodes (top-{args.top_k}): served-walk τ {t.served_tau:.3f}, all-anchor τ {t.uniform_tau:.3f}",
                     flush=True,
                 )
+        if temperatures:
+            start = time.perf_counter()
+            sampled = sampling_tau_estimate(drafter, target, held_out, temperatures)
+            rows[-1]["sampling"] = {str(t): by_rule for t, by_rule in sampled.items()}
+            rows[-1]["sampling_seconds"] = round(time.perf_counter() - start, 1)
+            for t, by_rule in sampled.items():
+                shown = ", ".join(f"{rule} {tau:.3f}" for rule, tau in by_rule.items())
+                print(f"  temperature {t}: expected all-anchor τ {shown}", flush=True)
     held = (
         f"the first {len(held_out)} chats of part {args.eval_part}"
         if args.eval_part

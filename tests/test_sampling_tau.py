@@ -1,0 +1,48 @@
+"""Held-out τ under sampling (`trainer/sampling_tau.py`): the acceptance rules in closed form, and at a temperature
+near 0 the estimate equals the greedy all-anchor τ that the served-walk estimate reads off the same forward."""
+
+import pytest
+import torch
+
+from hf_dflash.trainer.consistency import served_tau_estimate
+from hf_dflash.trainer.sampling_tau import draft_acceptance, expected_chain_tau, sampling_tau_estimate
+from tests.conftest import OracleDrafter, make_drafter, make_target
+
+
+def test_acceptance_of_each_draft_rule_in_closed_form():
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    q = torch.tensor([0.1, 0.6, 0.1, 0.2])
+    assert draft_acceptance(p, q, "sample").item() == pytest.approx(0.1 + 0.3 + 0.1)
+    assert draft_acceptance(p, q, "argmax").item() == pytest.approx(0.3)
+    assert draft_acceptance(p, q, "top-2").item() == pytest.approx(0.3 + 0.0)  # q's two best: ids 1 and 3
+    assert draft_acceptance(p, q, "top-4").item() == pytest.approx(1.0)
+    assert draft_acceptance(p, p, "sample").item() == pytest.approx(1.0)  # q = p: every draft accepted
+    with pytest.raises(ValueError, match="Unknown draft rule 'top-0'"):
+        draft_acceptance(p, q, "top-0")
+
+
+def test_expected_chain_tau_stops_at_the_first_slot_without_a_draft():
+    acceptance = torch.tensor([[0.5, 0.5, 0.5], [1.0, 1.0, 1.0]])
+    drafted = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 1.0]])
+    assert expected_chain_tau(acceptance, drafted).tolist() == pytest.approx([1 + 0.5 + 0.25 + 0.125, 2.0])
+
+
+@pytest.mark.parametrize("block_size", [3, 5])
+def test_near_zero_temperature_equals_the_greedy_all_anchor_tau(block_size):
+    target = make_target("llama")
+    prompt = torch.tensor([[5, 17, 33, 9, 71, 12]])
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=30, eos_token_id=None)
+    believed = plain.clone()
+    for position in (9, 10, 17, 25, 33):
+        believed[0, position] = (believed[0, position] + 1) % 128
+    config = make_drafter(target, block_size=block_size).config
+    drafter = OracleDrafter(config, target.lm_head.weight, believed).eval()
+    sample = {"input_ids": plain[0].tolist(), "loss_mask": [0] * prompt.shape[1] + [1] * 30}
+    greedy = served_tau_estimate(drafter, target, [sample]).uniform_tau
+    estimate = sampling_tau_estimate(drafter, target, [sample], [1e-4, 1.0], anchors_per_forward=7)
+    assert 1 < greedy < block_size
+    for rule in ("sample", "argmax"):
+        assert estimate[1e-4][rule] == pytest.approx(greedy, abs=1e-3)
+    assert estimate[1.0]["top-4"] >= estimate[1.0]["top-2"] >= estimate[1.0]["argmax"]
+    with pytest.raises(ValueError, match="temperatures"):
+        sampling_tau_estimate(drafter, target, [sample], [0.0])
