@@ -12,7 +12,7 @@ import contextlib
 import sys
 from collections.abc import Callable, Sequence
 
-from .generation.compiling import COMPILE_SETTINGS
+from .generation.verifying.compiling import COMPILE_SETTINGS
 from .targets import DEFAULT_TARGET
 from .user_errors import run_reporting_errors
 

@@ -8,7 +8,7 @@ import torch
 
 from .data.corpus import read_prompts_file
 from .folder_lock import path_lock
-from .generation.compiling import choose_compile, compiled_generate_kwargs, static_slots
+from .generation.verifying.compiling import choose_compile, compiled_generate_kwargs, static_slots
 from .json_files import write_atomic
 from .output_paths import check_new_file
 
@@ -87,7 +87,7 @@ def generate_file(
 def run_generate(args) -> dict:
     """The CLI entry: load target and drafter (`--drafter random|PATH|none`) like `hf-dflash bench`."""
     from .bench.loading import RANDOM_DRAFTER, load_bench_models
-    from .generation.adaptive import parse_block_size_policy
+    from .generation.policies.block_size import parse_block_size_policy
     from .targets import resolve_device, shipped_drafter
 
     drafter_path = str(shipped_drafter(args.target)) if args.drafter is None else args.drafter

@@ -1,4 +1,4 @@
-"""Adaptive block size (`hf_dflash.generation.adaptive` and `.cost_model`): the estimator maths by hand,
+"""Adaptive block size (`hf_dflash.generation.policies.block_size` and `.cost_model`): the estimator maths by hand,
 losslessness under random per-round block sizes (single and batched), the policy's convergence, and
 the cost-model cache."""
 
@@ -9,7 +9,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from hf_dflash.generation.adaptive import (
+from hf_dflash.generation.policies.block_size import (
     AdaptiveBlockSize,
     AdaptiveController,
     acceptance_probabilities,
@@ -18,8 +18,8 @@ from hf_dflash.generation.adaptive import (
     parse_block_size_policy,
     update_acceptance_counts,
 )
-from hf_dflash.generation.cost_model import CostModel, measured_block_lengths
-from hf_dflash.generation.cost_timing import (
+from hf_dflash.generation.policies.cost_model import CostModel, measured_block_lengths
+from hf_dflash.generation.policies.cost_timing import (
     cost_model_key,
     cost_model_path,
     measure_round_seconds,
@@ -231,7 +231,7 @@ def test_cost_model_fingerprint_separates_models_and_machines(tmp_path, monkeypa
         other_threads,
     ]
     # verification timed after another context length: measured again, not read from the old file
-    monkeypatch.setattr("hf_dflash.generation.cost_timing.VERIFICATION_CONTEXT", 64)
+    monkeypatch.setattr("hf_dflash.generation.policies.cost_timing.VERIFICATION_CONTEXT", 64)
     others.append(cost_model_key(target, drafter))
     paths = {cost_model_path(k, tmp_path) for k in [key, *others]}
     assert len(paths) == len(others) + 1
@@ -587,7 +587,7 @@ def test_a_bad_recommended_policy_is_named(bad):
 
 
 def test_calibrated_seconds_substitute_measured_rounds_and_scale_the_drafting_ones():
-    from hf_dflash.generation.adaptive import calibrated_seconds
+    from hf_dflash.generation.policies.block_size import calibrated_seconds
 
     modelled = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
     assert torch.equal(calibrated_seconds(modelled, {}), modelled)
@@ -600,7 +600,7 @@ def test_calibrated_seconds_substitute_measured_rounds_and_scale_the_drafting_on
 def timed_choices(monkeypatch, cost: CostModel, drafting_seconds: float, accepted, rounds: int = 6) -> list[int]:
     """The block lengths a calibrating controller (B = 4) chooses over `rounds` rounds when a drafting round takes
     `drafting_seconds` and a plain step 1 s (a fake clock), with `accepted(k)` drafts accepted at block length k."""
-    import hf_dflash.generation.adaptive as adaptive
+    import hf_dflash.generation.policies.block_size as adaptive
 
     controller = adaptive.AdaptiveController(adaptive.AdaptiveBlockSize(), 4, 1, cost, calibrate=True)
     now = [0.0]
@@ -619,7 +619,7 @@ def timed_choices(monkeypatch, cost: CostModel, drafting_seconds: float, accepte
 
 
 def test_timed_rounds_fall_back_to_plain_steps_where_drafting_does_not_pay(monkeypatch):
-    import hf_dflash.generation.adaptive as adaptive
+    import hf_dflash.generation.policies.block_size as adaptive
 
     cost = CostModel.from_function(lambda k: 1.0 + 0.01 * k, 4)  # drafting looks nearly free
     chosen = timed_choices(monkeypatch, cost, 5.0, lambda k: 1 if k > 1 else 0)  # one draft accepted, in 5 s
@@ -633,7 +633,7 @@ def test_a_model_that_overprices_drafting_is_corrected_by_one_timed_block(monkey
     """A measured cost model can be wrong (timed while something else ran): one pricing drafting rounds 20x
     dearer than plain steps would choose plain steps from the first round and never time a drafting round to
     correct itself. Until a drafting round is timed, the calibrating controller drafts whole blocks."""
-    import hf_dflash.generation.adaptive as adaptive
+    import hf_dflash.generation.policies.block_size as adaptive
 
     cost = CostModel.from_function(lambda k: 1.0 if k == 1 else 20.0, 4)  # drafting priced at 20 s a round
     chosen = timed_choices(monkeypatch, cost, 2.0, lambda k: k - 1)  # every draft accepted, in 2 s

@@ -1,18 +1,18 @@
-"""The "confidence" policy (`hf_dflash.generation.confidence`): the prefix choice by hand, its calibration, and
+"""The "confidence" policy (`hf_dflash.generation.policies.confidence`): the prefix choice by hand, its calibration, and
 losslessness whatever prefix is verified (greedy single and batched, DFlash and DFlash2, Transformers' loop with our
 generator, compiled verification, sampling)."""
 
 import pytest
 import torch
 
-from hf_dflash.generation.confidence import (
+from hf_dflash.generation.policies.confidence import (
     ConfidentPrefix,
     DraftCalibration,
     PrefixController,
     best_prefix,
     reach_probabilities,
 )
-from hf_dflash.generation.cost_model import CostModel
+from hf_dflash.generation.policies.cost_model import CostModel
 from tests.conftest import VOCAB, OracleDrafter, make_drafter, make_target
 from tests.helpers.compiled import compiled_dflash
 from tests.helpers.generation import PAD, check_sampled_second_token, random_batch
@@ -76,7 +76,7 @@ def test_under_compiled_verification_all_drafts_or_none():
 
 
 def test_plain_steps_without_a_drafter_pass_while_drafting_does_not_pay():
-    from hf_dflash.generation.confidence import PROBE_EVERY
+    from hf_dflash.generation.policies.confidence import PROBE_EVERY
 
     # verifying n tokens costs 1 + 0.5 (n - 1); the drafter's pass 0.3 (a round of k: its pass + verifying k)
     cost = CostModel.from_function(lambda k: 1.3 + 0.5 * (k - 1), 4, STEEP_COST)
@@ -91,7 +91,7 @@ def test_plain_steps_without_a_drafter_pass_while_drafting_does_not_pay():
 def timed_confident_choices(monkeypatch, cost: CostModel, drafted_seconds: float, calibrate: bool) -> list[int]:
     """The block lengths a controller (B = 4) chooses over 12 rounds when a drafted round takes `drafted_seconds`
     and a plain step 1 s (a fake clock), the drafter 90% sure of each draft and every draft accepted."""
-    import hf_dflash.generation.confidence as confidence
+    import hf_dflash.generation.policies.confidence as confidence
 
     controller = PrefixController(4, cost, False, DraftCalibration(), calibrate=calibrate)
     now = [0.0]
@@ -130,7 +130,7 @@ def test_timed_rounds_fall_back_to_plain_steps_where_drafting_does_not_pay(monke
 
 
 def test_a_measured_cost_model_is_calibrated_and_a_given_one_is_not(monkeypatch):
-    import hf_dflash.generation.confidence as confidence
+    import hf_dflash.generation.policies.confidence as confidence
 
     drafter = make_drafter(make_target("llama"), block_size=4)
     cost = CostModel.from_function(FLAT_COST, 4, STEEP_COST)
@@ -142,8 +142,8 @@ def test_a_measured_cost_model_is_calibrated_and_a_given_one_is_not(monkeypatch)
 def test_trees_and_the_hybrid_budget_size_their_own_drafts():
     """A chain's confident prefix is no policy for strategies that size their drafts themselves: a drafter tree's
     block and the hybrid budget run the adaptive block size under it."""
-    from hf_dflash.generation.adaptive import AdaptiveController, block_size_controller
-    from hf_dflash.generation.hybrid_budget import tree_budget
+    from hf_dflash.generation.policies.block_size import AdaptiveController, block_size_controller
+    from hf_dflash.generation.policies.hybrid_budget import tree_budget
 
     target = make_target("llama")
     drafter = make_drafter(target, block_size=4)
@@ -156,7 +156,7 @@ def test_trees_and_the_hybrid_budget_size_their_own_drafts():
 
 
 def test_a_prefix_of_drafts_keeps_its_scores_and_probabilities():
-    from hf_dflash.generation.drafting import Drafts
+    from hf_dflash.generation.drafting.block_drafter import Drafts
 
     drafts = Drafts(torch.arange(6).view(2, 3), torch.rand(2, 3, 5), torch.rand(2, 3))
     prefix = drafts.prefix(1)

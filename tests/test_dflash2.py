@@ -17,7 +17,7 @@ from torch import nn
 
 from hf_dflash import DFlashConfig, DFlashDraftModel
 from hf_dflash.checkpoints import convert, drafter_from_model, load_drafter, save_hub, save_official
-from hf_dflash.generation.selector import selector_chain
+from hf_dflash.generation.drafting.selector import selector_chain
 from hf_dflash.modeling_dflash.modeling_dflash import grouped_dynamic_conv, selector_walk, unary_top_k
 from hf_dflash.trainer.upgrade import dflash2_from_dflash
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from hf_dflash import DFlashConfig, DFlashDraftModel
-from hf_dflash.generation.selector import selector_chain, selector_drafts, selector_tree_children
-from hf_dflash.generation.strategies import ChainDrafting
-from hf_dflash.generation.tree import best_first_tree_by
+from hf_dflash.generation.drafting.draft_tree import best_first_tree_by
+from hf_dflash.generation.drafting.selector import selector_chain, selector_drafts, selector_tree_children
+from hf_dflash.generation.drafting.strategies import ChainDrafting
 from hf_dflash.modeling_dflash.custom_generate import dflash_decoding
 from hf_dflash.modeling_dflash.modeling_dflash import unary_top_k
 from tests.conftest import make_target

@@ -25,7 +25,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from hf_dflash import DFlashConfig, DFlashDraftModel
 from hf_dflash.generation.decoding import CACHE_FIELD
-from hf_dflash.generation.drafting import BlockDrafter
+from hf_dflash.generation.drafting.block_drafter import BlockDrafter
 from hf_dflash.targets import CACHE_ENV_VAR, KNOWN_TARGETS, load_target
 from tests.conftest import COMMON, VOCAB, OracleDrafter, make_drafter
 from tests.helpers.generation import (

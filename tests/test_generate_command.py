@@ -5,7 +5,7 @@ import json
 import pytest
 
 from hf_dflash.cli import main
-from hf_dflash.generation.compiling import choose_compile
+from hf_dflash.generation.verifying.compiling import choose_compile
 from tests.conftest import make_drafter, make_target
 from tests.helpers.data import make_char_tokenizer, write_lines
 

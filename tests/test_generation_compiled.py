@@ -7,7 +7,8 @@ import warnings
 import pytest
 import torch
 
-from hf_dflash.generation import target_slots, verifier
+from hf_dflash.generation import target_slots
+from hf_dflash.generation.verifying import target_forward
 from tests.conftest import make_drafter, make_target
 from tests.helpers.compiled import WidthSpy, compiled_dflash, cpu_compile_config
 from tests.helpers.generation import plain_greedy, prompt
@@ -25,8 +26,8 @@ def test_compiled_rounds_have_one_shape_and_match_plain_greedy(monkeypatch, head
     expected = plain_greedy(target, input_ids, max_new_tokens=max_new_tokens, eos_token_id=None)
     drafter = make_drafter(target, block_size=4)  # random: rejections roll the static cache back
     paddings = []
-    pad_round = verifier.pad_round
-    monkeypatch.setattr(verifier, "pad_round", lambda tokens, n: paddings.append(n) or pad_round(tokens, n))
+    pad_round = target_forward.pad_round
+    monkeypatch.setattr(target_forward, "pad_round", lambda tokens, n: paddings.append(n) or pad_round(tokens, n))
     spy = WidthSpy(target)
     max_length = input_ids.shape[1] + max_new_tokens
     room = {"max_cache_len": max_length + headroom} if headroom else {}  # default: max_length - 1 slots
@@ -46,8 +47,8 @@ def test_compiled_plain_steps_run_their_own_graph_and_match_plain_greedy(drafted
     step runs its own width-1 graph (as plain decoding's), not a round padded to the block. Both graphs are
     compiled before the prefill, so no timed round compiles. 100 s a drafted round: every round is a plain step;
     1.2 s (a random drafter, acceptance low): the policy alternates. Either way the output is plain greedy's."""
-    from hf_dflash.generation.adaptive import AdaptiveBlockSize
-    from hf_dflash.generation.cost_model import CostModel
+    from hf_dflash.generation.policies.block_size import AdaptiveBlockSize
+    from hf_dflash.generation.policies.cost_model import CostModel
 
     target = make_target("llama")
     input_ids = prompt(1, length=9)
@@ -74,7 +75,7 @@ def test_static_cache_without_compile_stays_eager_and_unpadded(monkeypatch):
     target = make_target("llama")
     input_ids = prompt(2, length=9)
     drafter = make_drafter(target, block_size=4)
-    monkeypatch.setattr(verifier, "pad_round", lambda *args: pytest.fail("an eager round was padded"))
+    monkeypatch.setattr(target_forward, "pad_round", lambda *args: pytest.fail("an eager round was padded"))
     actual = target.generate(
         input_ids, do_sample=False, max_new_tokens=21, eos_token_id=None, assistant_model=drafter,
         cache_implementation="static",
@@ -159,14 +160,16 @@ def test_compiled_trees_and_hybrid_rounds_have_one_shape_and_match_plain_greedy(
     drafter = make_drafter(target, block_size=4)
     drafter.block_size_policy = 4
     if nodes == "sized":
-        from hf_dflash.generation.tree_drafting import TreeDrafting
+        from hf_dflash.generation.policies.tree_size import TreeDrafting
 
         nodes = TreeDrafting(6, top_k=4, seconds=torch.tensor([1.0, 1.0, 1.0, 1.0, 1.6, 1.6]))
     if nodes is not None:
         drafter.draft_tree = nodes
     tree_forwards = []
-    tree_inputs = verifier.tree_inputs
-    monkeypatch.setattr(verifier, "tree_inputs", lambda *a, **k: tree_forwards.append(a[2]) or tree_inputs(*a, **k))
+    tree_inputs = target_forward.tree_inputs
+    monkeypatch.setattr(
+        target_forward, "tree_inputs", lambda *a, **k: tree_forwards.append(a[2]) or tree_inputs(*a, **k)
+    )
     spy = WidthSpy(target)
     lookup = {} if ngram is None else {"prompt_lookup_num_tokens": ngram}
     for seed in range(2):
@@ -259,10 +262,10 @@ def test_one_size_trees_compile_the_width_their_first_tree_chose(ngram, monkeypa
     curve (before its round's verification; rounds without a tree before it run eager), then every compiled
     round verifies that size (+ the n-gram drafts, the hybrid budget re-weighed at that width); the output
     is plain greedy's."""
-    from hf_dflash.generation.adaptive import AdaptiveBlockSize
-    from hf_dflash.generation.cost_model import CostModel
-    from hf_dflash.generation.hybrid_budget import TreeBudget
-    from hf_dflash.generation.tree_drafting import TreeDrafting
+    from hf_dflash.generation.policies.block_size import AdaptiveBlockSize
+    from hf_dflash.generation.policies.cost_model import CostModel
+    from hf_dflash.generation.policies.hybrid_budget import TreeBudget
+    from hf_dflash.generation.policies.tree_size import TreeDrafting
 
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=4)

@@ -130,7 +130,7 @@ def test_greedy_with_logits_processors_matches_plain():
 
 
 def test_greedy_tokens_break_ties_like_argmax():
-    from hf_dflash.generation.verification import greedy_tokens
+    from hf_dflash.generation.verifying.acceptance_rules import greedy_tokens
 
     generator = torch.Generator().manual_seed(0)
     logits = torch.randint(0, 3, (200, 64), generator=generator).float()  # many ties

@@ -9,9 +9,9 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, StoppingCriteria, StoppingCriteriaList
 
 from hf_dflash import DFlashGenerateOutput
-from hf_dflash.generation import verifier
-from hf_dflash.generation.adaptive import AdaptiveBlockSize
-from hf_dflash.generation.cost_model import CostModel
+from hf_dflash.generation.policies.block_size import AdaptiveBlockSize
+from hf_dflash.generation.policies.cost_model import CostModel
+from hf_dflash.generation.verifying import target_forward
 from tests.conftest import ARCHITECTURES, COMMON, VOCAB, OracleDrafter, make_drafter, make_target
 from tests.helpers.generation import random_schedule, record_drafter_calls, reference_features
 from tests.helpers.hybrid import prompt
@@ -44,13 +44,13 @@ class CountTreeForwards:
 
     def __init__(self, monkeypatch):
         self.count = 0
-        original = verifier.tree_inputs
+        original = target_forward.tree_inputs
 
         def counting(*args, **kwargs):
             self.count += 1
             return original(*args, **kwargs)
 
-        monkeypatch.setattr(verifier, "tree_inputs", counting)
+        monkeypatch.setattr(target_forward, "tree_inputs", counting)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
@@ -390,7 +390,7 @@ def test_one_hot_draft_rejection_sampling_keeps_the_target_distribution():
     from p without it; the first output token ~ p (chi-square, vocab 6)."""
     from scipy.stats import chisquare
 
-    from hf_dflash.generation.verification import speculative_sample
+    from hf_dflash.generation.verifying.acceptance_rules import speculative_sample
     from tests.helpers.generation import ALPHA
 
     generator = torch.Generator().manual_seed(0)

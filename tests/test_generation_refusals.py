@@ -7,7 +7,7 @@ from transformers import StaticCache
 
 from hf_dflash.caches import cache_keyword
 from hf_dflash.generation.options import ASSISTANT_OPTIONS
-from hf_dflash.generation.tree_drafting import MAX_TREE_NODES, TreeDrafting
+from hf_dflash.generation.policies.tree_size import MAX_TREE_NODES, TreeDrafting
 from tests.conftest import make_drafter, make_target
 from tests.helpers.generation import plain_greedy, prompt
 

@@ -3,7 +3,7 @@
 import torch
 from scipy.stats import chisquare
 
-from hf_dflash.generation.verification import speculative_sample
+from hf_dflash.generation.verifying.acceptance_rules import speculative_sample
 from tests.conftest import make_drafter, make_target
 from tests.helpers.generation import ALPHA, check_sampled_second_token
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from hf_dflash.generation.tree_drafting import TreeDrafting, best_tree_size, tree_drafting
+from hf_dflash.generation.policies.tree_size import TreeDrafting, best_tree_size, tree_drafting
 from hf_dflash.trainer.consistency import served_tree_tau_estimates
 from tests.conftest import ARCHITECTURES, make_drafter, make_target
 from tests.helpers.generation import check_sampled_second_token, oracle_for, plain_greedy, prompt

@@ -1,9 +1,9 @@
-"""The n-gram draft source (`hf_dflash.generation.ngram`): by hand and against a brute-force search."""
+"""The n-gram draft source (`hf_dflash.generation.drafting.ngram`): by hand and against a brute-force search."""
 
 import pytest
 import torch
 
-from hf_dflash.generation.ngram import match_bucket, ngram_match
+from hf_dflash.generation.drafting.ngram import match_bucket, ngram_match
 
 
 def continuation(values, max_ngram_size=2, num_tokens=4) -> list[int]:

@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 import hf_dflash.packed_linears as packed_linears_module
-from hf_dflash.generation.cost_timing import cost_model_key
 from hf_dflash.generation.linear_packing import linear_packing_setting, loop_linear_packing
+from hf_dflash.generation.policies.cost_timing import cost_model_key
 from hf_dflash.packed_linears import (
     PACK_ATTRIBUTE,
     is_packed,

@@ -1,5 +1,6 @@
-"""The draft-tree maths (`hf_dflash.generation.tree`): merging branches, depths, the attention mask, the
-longest accepted path, the per-node logits processing and the cache gather, each against a hand-made or
+"""The draft-tree maths (`hf_dflash.generation.drafting.draft_tree`, `.verifying.tree_verification` and
+`.target_slots.keep_tree_path`): merging branches, depths, the attention mask, the longest accepted path, the
+per-node logits processing and the cache gather, each against a hand-made or
 brute-force oracle; and one tree forward of a real (tiny) target against each branch run as a chain."""
 
 import inspect
@@ -8,17 +9,19 @@ import pytest
 import torch
 from transformers import DynamicCache, LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper
 
-from hf_dflash.generation.tree import (
+from hf_dflash.generation.drafting.draft_tree import (
     DraftTree,
-    ancestor_mask,
     chain_parents,
-    greedy_tree_path,
-    keep_tree_path,
     merge_branches,
     padded_parents,
+    tree_depths,
+)
+from hf_dflash.generation.target_slots import keep_tree_path
+from hf_dflash.generation.verifying.tree_verification import (
+    ancestor_mask,
+    greedy_tree_path,
     process_tree_logits,
     tree_attention_bias,
-    tree_depths,
 )
 from tests.conftest import ARCHITECTURES, VOCAB, make_target
 
@@ -244,7 +247,7 @@ def all_continuations(token_ids, log_probs):
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("max_nodes", [1, 2, 5, 12, 40])
 def test_best_first_tree_holds_the_most_probable_continuations(seed, max_nodes):
-    from hf_dflash.generation.tree import best_first_tree
+    from hf_dflash.generation.drafting.draft_tree import best_first_tree
 
     generator = torch.Generator().manual_seed(seed)
     length, width = 3, 3
@@ -268,7 +271,7 @@ def test_best_first_tree_holds_the_most_probable_continuations(seed, max_nodes):
 
 
 def test_accepted_path_follows_the_continuation_as_far_as_the_tree_holds_it():
-    from hf_dflash.generation.tree import accepted_path
+    from hf_dflash.generation.drafting.draft_tree import accepted_path
 
     tree = merge_branches(9, [tokens(5, 6, 7), tokens(5, 8), tokens(4)])  # 9 -> 5 -> {6 -> 7, 8}; 9 -> 4
     assert accepted_path(tree, [5, 6, 7, 3]) == [0, 1, 2, 3]

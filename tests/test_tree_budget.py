@@ -6,16 +6,16 @@ import json
 import pytest
 import torch
 
-from hf_dflash.generation.adaptive import AdaptiveBlockSize, FixedBlockSize
-from hf_dflash.generation.cost_model import CostModel, measured_verification_lengths
-from hf_dflash.generation.cost_timing import (
+from hf_dflash.generation.policies.block_size import AdaptiveBlockSize, FixedBlockSize
+from hf_dflash.generation.policies.cost_model import CostModel, measured_verification_lengths
+from hf_dflash.generation.policies.cost_timing import (
     cost_model_key,
     cost_model_path,
     measure_drafting_seconds,
     measure_verification_seconds,
     measured_cost_model,
 )
-from hf_dflash.generation.hybrid_budget import TreeBudget, best_split
+from hf_dflash.generation.policies.hybrid_budget import TreeBudget, best_split
 from tests.conftest import make_drafter, make_target
 from tests.helpers.generation import FakeMeasure
 
@@ -213,7 +213,7 @@ def test_real_verification_measurement_is_positive_and_leaves_rng_alone():
 def test_unreached_copy_slots_accept_like_the_slot_before_them():
     """A rejected first n-gram draft lowers what every deeper copy slot is expected to add (each shrinks toward
     the slot before it, as a model's slots do), so a run of poor matches stops predicting long copies."""
-    from hf_dflash.generation.hybrid_budget import TreeBudget
+    from hf_dflash.generation.policies.hybrid_budget import TreeBudget
 
     budget = TreeBudget(4, 3, one_branch=False, settings=AdaptiveBlockSize(decay=1.0), block=[2])
     copy = budget.ngram_estimates[0]

@@ -37,7 +37,7 @@ from hf_dflash.bench.prompts import EVAL_SETS, load_prompt_sets
 from hf_dflash.bench.runner import rotated
 from hf_dflash.data.regenerate import render_conversation
 from hf_dflash.demo import DEMO_PROMPTS
-from hf_dflash.generation.cost_timing import measured_cost_model
+from hf_dflash.generation.policies.cost_timing import measured_cost_model
 from hf_dflash.targets import DEFAULT_TARGET
 
 WARMUP_TOKENS = 4

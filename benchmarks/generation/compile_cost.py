@@ -25,7 +25,7 @@ PROMPT = "Write a haiku about the sea."
 
 def one_run(compiled: bool, dtype: str, new_tokens: int) -> dict:
     """In this process: two timed greedy `generate` calls of `new_tokens` tokens (compiled or eager)."""
-    from hf_dflash.generation.compiling import compiled_generate_kwargs, static_slots
+    from hf_dflash.generation.verifying.compiling import compiled_generate_kwargs, static_slots
     from hf_dflash.targets import load_target
 
     target, tokenizer = load_target("smollm2-135m-instruct", dtype=dtype)

@@ -22,7 +22,7 @@ import time
 import torch
 
 from hf_dflash.checkpoints import load_drafter
-from hf_dflash.generation.compiling import compiled_generate_kwargs
+from hf_dflash.generation.verifying.compiling import compiled_generate_kwargs
 from hf_dflash.json_files import write_json_atomic
 from hf_dflash.targets import load_target
 
@@ -35,7 +35,7 @@ PROFILE_ROWS = (
     ("compiled verification call", "_inductor/output_code.py", "__call__"),
     ("packed products (oneDNN)", "~", "torch._ops.mkldnn._linear_pointwise"),
     ("packed op's Python kernel", "packed_linears.py", "_packed_linear"),
-    ("drafting (chain propose)", "generation/strategies/chain.py", "propose"),
+    ("drafting (chain propose)", "generation/drafting/strategies/chain.py", "propose"),
 )
 
 

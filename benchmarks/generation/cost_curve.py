@@ -42,7 +42,7 @@ from transformers import DynamicCache, StaticCache
 
 from hf_dflash.checkpoints import load_drafter
 from hf_dflash.dtypes import cpu_flags
-from hf_dflash.generation.cost_timing import VERIFICATION_CONTEXT
+from hf_dflash.generation.policies.cost_timing import VERIFICATION_CONTEXT
 from hf_dflash.json_files import write_json_atomic
 from hf_dflash.packed_linears import packed_linears
 from hf_dflash.targets import load_target

@@ -1,6 +1,6 @@
 """What DFlash2's parts cost a served round: DFlash against DFlash2, timed in turn on the same target.
 
-One served round (`hf_dflash.generation.cost_timing.measure_round_seconds`): the drafter pass over a block of
+One served round (`hf_dflash.generation.policies.cost_timing.measure_round_seconds`): the drafter pass over a block of
 B after a 256-token context, its drafts (the argmax chain, or DFlash2's selector walk), and the target's
 verification of B tokens. The DFlash2 drafter is a trained one (`--dflash2`) or, without it, the DFlash
 drafter upgraded at identity (`dflash2_from_dflash`: the same convolutions and walk as a trained one, so
@@ -21,7 +21,7 @@ import torch
 
 from hf_dflash.bench.loading import machine_description
 from hf_dflash.checkpoints import load_drafter
-from hf_dflash.generation.cost_timing import measure_round_seconds
+from hf_dflash.generation.policies.cost_timing import measure_round_seconds
 from hf_dflash.json_files import write_json_atomic
 from hf_dflash.packed_linears import packed_linears
 from hf_dflash.targets import load_target

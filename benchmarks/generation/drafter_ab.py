@@ -25,7 +25,7 @@ from hf_dflash.bench.methods import PROMPT_LOOKUP_NUM_TOKENS
 from hf_dflash.bench.prompts import load_prompt_sets
 from hf_dflash.bench.runner import chat_inputs
 from hf_dflash.checkpoints import load_drafter
-from hf_dflash.generation.adaptive import parse_block_size_policy
+from hf_dflash.generation.policies.block_size import parse_block_size_policy
 from hf_dflash.json_files import write_json_atomic
 from hf_dflash.targets import load_target
 

@@ -37,7 +37,7 @@ from cost_curve import DTYPES, gemm_peak, median_in_turn, memory_bandwidth, pars
 from transformers import StaticCache
 
 from hf_dflash.bench.loading import machine_description
-from hf_dflash.generation.cost_timing import VERIFICATION_CONTEXT
+from hf_dflash.generation.policies.cost_timing import VERIFICATION_CONTEXT
 from hf_dflash.json_files import write_json_atomic
 from hf_dflash.packed_linears import packable_layers, release_packed_weights, stack_seconds
 from hf_dflash.targets import load_target

@@ -46,7 +46,7 @@ import torch
 
 import hf_dflash
 from hf_dflash.dtypes import describe_dtype
-from hf_dflash.generation.drafting import BlockDrafter
+from hf_dflash.generation.drafting.block_drafter import BlockDrafter
 from hf_dflash.targets import load_target
 
 DEFAULT_PROMPT = (
@@ -105,19 +105,19 @@ class ForwardTimer:
 # Each step of a round: the functions that run it, as (a path ending, a function name) of cProfile's records.
 LOOP_STEPS = {
     "propose": [("strategies/chain.py", "propose"), ("strategies/hybrid.py", "propose")],
-    "verify": [("verifier.py", "verify")],
-    "accept": [("verdict.py", "judge")],
+    "verify": [("verifying/target_forward.py", "verify")],
+    "accept": [("verifying/verdict.py", "judge")],
     "commit": [("rows.py", "commit")],
     "record_outputs": [("decoding.py", "record_outputs")],
-    "rollback": [("target_slots.py", "keep"), ("drafting.py", "add_context")],
-    "prune": [("target_slots.py", "prune"), ("drafting.py", "prune")],
+    "rollback": [("target_slots.py", "keep"), ("drafting/block_drafter.py", "add_context")],
+    "prune": [("target_slots.py", "prune"), ("drafting/block_drafter.py", "prune")],
 }
 HELPERS = {
-    "process_rows": [("verification.py", "process_rows")],
+    "process_rows": [("verifying/acceptance_rules.py", "process_rows")],
     "accepted_lengths": [("custom_generate.py", "accepted_lengths")],
-    "count_until_stop": [("verification.py", "count_until_stop")],
+    "count_until_stop": [("verifying/acceptance_rules.py", "count_until_stop")],
     "target_layer_features": [("target_features.py", "target_layer_features")],
-    "row_copies": [("verification.py", "row_copies")],
+    "row_copies": [("verifying/acceptance_rules.py", "row_copies")],
     "target.prepare_inputs_for_generation": [("generation/utils.py", "prepare_inputs_for_generation")],
     "Cache.crop (target and drafter)": [("cache_utils.py", "crop")],
 }

@@ -4,7 +4,7 @@ Generates SmolLM2-135M-Instruct's greedy answers once (bf16), then walks each an
 at the current position draft up to `--num-tokens` tokens with a rule, accept the drafts that equal the
 answer, commit them + 1 token (the bonus), and move on. τ = mean tokens committed per round (no timing:
 this measures the drafts, not the machine). Rules: Transformers' prompt lookup (first occurrence of the
-suffix n-gram, n <= 2, stops at the text's end) and `hf_dflash.generation.ngram.ngram_match`
+suffix n-gram, n <= 2, stops at the text's end) and `hf_dflash.generation.drafting.ngram.ngram_match`
 (latest occurrence of the longest suffix n-gram, n <= cap, overlapping copy) for several caps.
 
     python benchmarks/generation/ngram_match_length.py --num-prompts 3 --out out/ngram_match_length.json
@@ -22,7 +22,7 @@ import torch
 from hf_dflash.bench.loading import load_bench_models
 from hf_dflash.bench.prompts import load_prompt_sets
 from hf_dflash.bench.runner import chat_inputs
-from hf_dflash.generation.ngram import ngram_match
+from hf_dflash.generation.drafting.ngram import ngram_match
 
 CAPS = (1, 2, 3, 4, 8, 16)
 

@@ -2,7 +2,7 @@
 priced it at, by round type, on the README's sets.
 
 Two policies choose every round by expected tokens per second from the cost model measured once per model pair
-and machine (`hf_dflash/generation/cost_timing.py`: each pass timed alone, eager, at a 256-token context): the
+and machine (`hf_dflash/generation/policies/cost_timing.py`: each pass timed alone, eager, at a 256-token context): the
 confident prefix of a chain (`block_size_policy="confidence"`) and the hybrid budget (`prompt_lookup_num_tokens`).
 What the model leaves out (the loop's glue, the real context, compiled kernels priced from eager timings) would
 bias their choices. Each round is timed from one choice to the next:
@@ -37,9 +37,9 @@ from hf_dflash.bench.methods import COMPILED_METHODS, generate_with
 from hf_dflash.bench.prompts import load_prompt_sets
 from hf_dflash.bench.runner import chat_inputs
 from hf_dflash.checkpoints import load_drafter
-from hf_dflash.generation.confidence import ConfidentPrefix, PrefixController
-from hf_dflash.generation.cost_model import CostModel
-from hf_dflash.generation.hybrid_budget import TreeBudget
+from hf_dflash.generation.policies.confidence import ConfidentPrefix, PrefixController
+from hf_dflash.generation.policies.cost_model import CostModel
+from hf_dflash.generation.policies.hybrid_budget import TreeBudget
 from hf_dflash.json_files import write_json_atomic
 from hf_dflash.targets import load_target
 

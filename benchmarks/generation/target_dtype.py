@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from hf_dflash.generation.tree import tree_attention_bias
+from hf_dflash.generation.verifying.tree_verification import tree_attention_bias
 from hf_dflash.targets import load_target
 
 TOKENS = (1, 2, 4, 8, 16, 24, 32)

@@ -29,9 +29,9 @@ from hf_dflash.bench.prompts import load_prompt_sets
 from hf_dflash.bench.runner import chat_inputs, rotated
 from hf_dflash.checkpoints import load_drafter
 from hf_dflash.dtypes import cpu_flags
-from hf_dflash.generation.cost_model import CostModel
-from hf_dflash.generation.cost_timing import measure_verification_seconds, measured_cost_model
-from hf_dflash.generation.tree_drafting import AUTO_MAX_NODES, auto_tree_drafting
+from hf_dflash.generation.policies.cost_model import CostModel
+from hf_dflash.generation.policies.cost_timing import measure_verification_seconds, measured_cost_model
+from hf_dflash.generation.policies.tree_size import AUTO_MAX_NODES, auto_tree_drafting
 from hf_dflash.json_files import write_json_atomic
 from hf_dflash.targets import load_target
 

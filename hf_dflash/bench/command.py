@@ -10,7 +10,7 @@ import torch
 
 from ..dtypes import describe_dtype
 from ..folder_lock import folder_lock
-from ..generation.adaptive import parse_block_size_policy
+from ..generation.policies.block_size import parse_block_size_policy
 from ..output_paths import check_output_folder
 from .loading import load_bench_models, load_bench_target, machine_description
 from .methods import METHODS, PROMPT_LOOKUP_NUM_TOKENS, check_methods

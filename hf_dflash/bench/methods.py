@@ -44,8 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..generation.compiling import compiled_generate_kwargs, static_slots
-from ..generation.tree_drafting import AUTO_MAX_NODES
+from ..generation.policies.tree_size import AUTO_MAX_NODES
+from ..generation.verifying.compiling import compiled_generate_kwargs, static_slots
 from ..packed_linears import packed_linears
 
 __all__ = [

@@ -1,9 +1,9 @@
-from .adaptive import AdaptiveBlockSize
 from .candidate_generator import DFlashCandidateGenerator
-from .confidence import ConfidentPrefix
-from .cost_model import CostModel
 from .decoding import DFlashGenerateOutput, dflash_decoding
 from .pairing import check_pairing
+from .policies.block_size import AdaptiveBlockSize
+from .policies.confidence import ConfidentPrefix
+from .policies.cost_model import CostModel
 from .stats import AcceptanceStats
 
 __all__ = [

@@ -18,16 +18,16 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..modeling_dflash import DFlashDraftModel
 from ..target_features import target_layer_features
-from .adaptive import BlockSizeController, FixedBlockSize
-from .drafting import BlockDrafter
+from .drafting.block_drafter import BlockDrafter
+from .drafting.strategies import ChainDrafting
 from .pairing import check_pairing
+from .policies.block_size import BlockSizeController, FixedBlockSize
 from .rows import Rows
 from .stats import AcceptanceStats
-from .strategies import ChainDrafting
 
 
 class DFlashCandidateGenerator(CandidateGenerator):
-    """The chain strategy (`strategies/chain.py`) behind Transformers' contract: drafts k - 1 tokens per round
+    """The chain strategy (`drafting/strategies/chain.py`) behind Transformers' contract: drafts k - 1 tokens per round
     from `[bonus, MASK x (k - 1)]`, k = block_size unless a `block_size_controller` chooses k <= block_size each
     round (k = 1: no drafter pass), never past `max_length`. Candidate logits: greedy with logits processors,
     the processed draft logits; sampling, the log of the distributions the drafts were drawn from (a DFlash2

@@ -3,15 +3,21 @@
 It keeps `generate`'s own preparation (generation config, logits processors, stopping criteria, cache,
 streamer) and serves any batch size. Every round is the same steps over the active rows:
 
-    propose  the call's drafting strategy drafts (`strategies/`: chains, drafter trees, hybrid drafting)
-    verify   ONE target forward over [unread tokens, drafts] (`verifier.py`: eager, or compiled at one width)
+    propose  the call's drafting strategy drafts (`drafting/`: chains, drafter trees, hybrid drafting in
+             `drafting/strategies/`, from the drafter pass, the selector and the n-gram source)
+    verify   ONE target forward over [unread tokens, drafts] (`verifying/target_forward.py`: eager, or compiled
+             at one width)
     accept   the longest prefix each row's target agrees with (trees: the longest path), or Leviathan
-             rejection sampling (`verdict.py`)
+             rejection sampling (`verifying/verdict.py`)
     commit   each row's tokens one by one up to its first stop (EOS, stop string, length, time, custom), so a
              stop met inside an accepted block ends the output exactly where plain decoding does (`rows.py`)
     rollback the cache slots of rejected drafts are dropped or masked (`target_slots.py`); the kept slots'
              target features become the drafter's next context
-    observe  the strategy learns from the round (block sizes, tree sizes, the hybrid budget)
+    observe  the strategy learns from the round through its policies (`policies/`: block sizes, tree sizes, the
+             hybrid budget, and the cost model that prices them)
+
+The folders are the steps (`drafting/`, `verifying/`, `policies/`); the loop, the rows, the cache slots, what is
+refused (`options.py`) and the hook into `generate` (`hook.py`) sit beside them.
 
 Lossless by construction: a row sees exactly the keys and positions plain decoding gives it, and every token it
 commits is the target's own choice (greedy) or distributed as the target's (sampling). Beyond Transformers'
@@ -30,15 +36,15 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..modeling_dflash import DFlashDraftModel
 from ..target_features import target_layer_features
+from .drafting.strategies import drafting_strategy
 from .linear_packing import loop_linear_packing
 from .options import check_cache, check_decoding_options
 from .pairing import check_pairing
 from .rows import Rows
 from .stats import AcceptanceStats
-from .strategies import drafting_strategy
 from .target_slots import TargetSlots
-from .verdict import Verdict, judge
-from .verifier import compiled_verification, verifier
+from .verifying.target_forward import compiled_verification, verifier
+from .verifying.verdict import Verdict, judge
 
 # Transformers 5.24 renamed the output's `past_key_values` field to `cache`.
 CACHE_FIELD = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .verification import count_until_stop, row_copies
+from .verifying.acceptance_rules import count_until_stop, row_copies
 
 
 class Rows:

@@ -4,15 +4,19 @@ Rows of a batch accept different numbers of drafts, so the slots of rejected dra
 exactly like left padding (`mask`, (R, T)); the tail common to all rows is cropped, and the holes are
 compacted when they pile up. A static cache keeps its batch (and a compiled graph its shapes): rows that
 finish stay in it, idle (`cache_rows`: the cache row of each active row), and it compacts only when a round
-would not fit. Batch 1 is the case where every slot is valid.
+would not fit. Batch 1 is the case where every slot is valid. After a tree round, only the accepted path's
+entries stay (`keep_tree_path`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+from transformers.cache_utils import Cache
 
 from ..caches import compact_cache, needs_compaction
-from .tree import DraftTree, keep_tree_path
+from .drafting.draft_tree import DraftTree
 
 
 def cache_capacity(cache) -> int:
@@ -113,3 +117,25 @@ class TargetSlots:
             self.mask = self.mask[index]
         if self.cache_rows is None and needs_compaction(self.mask):
             self.mask = compact_cache(self.cache, self.mask)
+
+
+def keep_tree_path(cache: Cache, num_nodes: int, keep: Sequence[int]) -> None:
+    """Keep, of the `num_nodes` tree entries that end every layer of `cache`, only the nodes `keep`
+    (increasing, root first), in that order; the context before the tree is untouched.
+
+    A path that is a prefix of the layout (0, 1, ..., n) is a crop. Otherwise the kept entries are copied
+    into the first len(keep) tree slots in place (O(path), not O(cache)) and the rest cropped, so the
+    cache's own `crop` keeps its bookkeeping (a sliding-window layer's length) right.
+    """
+    keep = list(keep)
+    if not keep or any(b <= a for a, b in zip(keep, keep[1:])) or keep[0] != 0 or keep[-1] >= num_nodes:
+        raise ValueError(f"keep_tree_path: keep={keep} must be increasing node ids from 0 below {num_nodes}.")
+    if keep != list(range(len(keep))):
+        for layer in cache.layers:
+            if not layer.is_initialized:
+                continue
+            start = int(layer.get_seq_length()) - num_nodes  # static layers: their write position
+            index = torch.tensor(keep, device=layer.keys.device) + start
+            layer.keys[..., start : start + len(keep), :] = layer.keys[..., index, :]
+            layer.values[..., start : start + len(keep), :] = layer.values[..., index, :]
+    cache.crop(-(num_nodes - len(keep)))

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..generation.selector import selector_chain, selector_tree_children
-from ..generation.tree import accepted_path, best_first_tree, best_first_tree_by
+from ..generation.drafting.draft_tree import accepted_path, best_first_tree, best_first_tree_by
+from ..generation.drafting.selector import selector_chain, selector_tree_children
 from ..target_features import compute_target_features
 from .forward import dflash_training_forward
 from .maths import build_blocks
@@ -124,9 +124,10 @@ def served_tree_tau_estimates(
     drafter, target, samples: list[dict], budgets: list[int], top_k: int = 16, anchors_per_forward: int = 64
 ) -> dict[int, ServedTauEstimate]:
     """`served_tau_estimate` for draft trees: τ(p) is 1 + the depth of the longest prefix of the data's
-    continuation held by the drafter's best-first tree of N nodes (`generation.tree.best_first_tree`: the N - 1
-    most probable continuations, the `top_k` best tokens per slot; a DFlash2 drafter's selector trees, its own
-    top-K), for each N in `budgets`, from one tree of the largest budget (a smaller tree is its first N nodes)."""
+    continuation held by the drafter's best-first tree of N nodes
+    (`generation.drafting.draft_tree.best_first_tree`: the N - 1 most probable continuations, the `top_k` best
+    tokens per slot; a DFlash2 drafter's selector trees, its own top-K), for each N in `budgets`, from one tree
+    of the largest budget (a smaller tree is its first N nodes)."""
     lm_head = target.get_output_embeddings()
     block_size, largest = drafter.config.block_size, max(budgets)
     token_ids = drafter.draft_token_ids

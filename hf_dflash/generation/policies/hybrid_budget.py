@@ -1,4 +1,4 @@
-"""The budget of hybrid drafting (`strategies/hybrid.py`): how many drafts the DFlash block and the n-gram
+"""The budget of hybrid drafting (`drafting/strategies/hybrid.py`): how many drafts the DFlash block and the n-gram
 continuation each offer per round, from running acceptance estimates and (adaptive policy) the measured cost
 of the round.
 """
@@ -10,8 +10,9 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import PreTrainedModel
 
-from ..modeling_dflash import DFlashDraftModel
-from .adaptive import (
+from ...modeling_dflash import DFlashDraftModel
+from ..drafting.ngram import MATCH_BUCKETS, match_bucket
+from .block_size import (
     AdaptiveBlockSize,
     BlockSizeController,
     acceptance_probabilities,
@@ -23,7 +24,6 @@ from .adaptive import (
 )
 from .cost_model import CostModel
 from .cost_timing import measured_cost_model
-from .ngram import MATCH_BUCKETS, match_bucket
 
 # The prior of the block's gain beside n-gram drafts, per match bucket (1, 2-3, >= 4 tokens), as a share of
 # `AdaptiveBlockSize.prior`: the longer the match, the likelier the copy is right and the block redundant.
@@ -95,7 +95,7 @@ class TreeBudget:
     or a schedule (`block`), the tree holds that block and every n-gram draft found; when one branch
     must be chosen, the one with more expected tokens.
 
-    Estimates are kept per context. The n-gram branch's per match-length bucket (`ngram.match_bucket`: a
+    Estimates are kept per context. The n-gram branch's per match-length bucket (`drafting/ngram.py:match_bucket`: a
     4-token match is a copy, a 1-token match a guess). Beside an n-gram continuation the block is worth
     only the drafts it gets accepted beyond the n-gram branch (where both agree the tree shares their
     nodes; where the n-gram branch wins the block's drafts were wasted): in a tree, rounds with n-gram

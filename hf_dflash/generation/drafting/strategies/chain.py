@@ -1,23 +1,23 @@
 """Chains: one drafter pass drafts `[bonus, MASK x (k - 1)]` for every row, k fixed or chosen each round; under
 the "confidence" policy the round verifies the prefix of the drafts the drafter is confident enough in
-(`confidence.py`)."""
+(`policies/confidence.py`)."""
 
 from __future__ import annotations
 
 import torch
 
-from ..adaptive import BlockSizeController, FixedBlockSize
-from ..confidence import PrefixController
-from ..drafting import BlockDrafter, Drafts
+from ...policies.block_size import BlockSizeController, FixedBlockSize
+from ...policies.confidence import PrefixController
+from ...rows import Rows
+from ...stats import AcceptanceStats
+from ..block_drafter import BlockDrafter, Drafts
 from ..proposal import Proposal
-from ..rows import Rows
-from ..stats import AcceptanceStats
 
 
 class ChainDrafting:
     """A block of k tokens drafts k - 1 tokens for every row, never past the longest row's limit; k from the
-    `controller` (`adaptive.py`), or chosen by a strategy that wraps this one (hybrid drafting: controller None,
-    the trained block B)."""
+    `controller` (`policies/block_size.py`), or chosen by a strategy that wraps this one (hybrid drafting:
+    controller None, the trained block B)."""
 
     sends_trees = False
 

@@ -2,24 +2,24 @@
 
 With `prompt_lookup_num_tokens` beside a DFlash assistant (batch size 1), each round drafts the block (a chain
 or a drafter tree: the wrapped strategy) and looks up an n-gram continuation of the committed tokens; the two
-branches are merged into a trie (`tree.merge_branches`: a shared prefix is verified once) and verified in ONE
+branches are merged into a trie (`draft_tree.merge_branches`: a shared prefix is verified once) and verified in ONE
 target forward (greedy), or the better branch is chosen before verification (`one_branch`: sampling, or a
 target that cannot take a tree mask). How many drafts each branch offers is the `TreeBudget`'s choice
-(`hybrid_budget.py`).
+(`policies/hybrid_budget.py`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..drafting import Drafts
-from ..hybrid_budget import tree_budget
+from ...policies.hybrid_budget import tree_budget
+from ...rows import Rows
+from ...stats import AcceptanceStats
+from ...verifying.acceptance_rules import accepted_lengths
+from ..block_drafter import Drafts
+from ..draft_tree import accepted_path, merge_branches, tree_depths
 from ..ngram import DEFAULT_MAX_NGRAM_SIZE, PromptLookup
 from ..proposal import Proposal
-from ..rows import Rows
-from ..stats import AcceptanceStats
-from ..tree import accepted_path, merge_branches, tree_depths
-from ..verification import accepted_lengths
 from .chain import ChainDrafting
 
 

@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
-from ..modeling_dflash import DFlashDraftModel
+from ...modeling_dflash import DFlashDraftModel
 from .confidence import ConfidentPrefix
 from .cost_model import CostModel, running_seconds
 from .cost_timing import measured_cost_model

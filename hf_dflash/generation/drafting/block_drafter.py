@@ -15,11 +15,11 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
-from ..caches import compact_cache, needs_compaction
-from ..modeling_dflash import DFlashDraftModel
-from ..modeling_dflash.custom_generate import drafter_pass
+from ...caches import compact_cache, needs_compaction
+from ...modeling_dflash import DFlashDraftModel
+from ...modeling_dflash.custom_generate import drafter_pass
+from ..verifying.acceptance_rules import greedy_tokens, process_draft_rows
 from .selector import selector_drafts
-from .verification import greedy_tokens, process_draft_rows
 
 
 @dataclass

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .proposal import Proposal
-from .tree import greedy_tree_path, process_tree_logits, sampled_tree_path
-from .verification import accepted_lengths, greedy_tokens, process_rows, sample_rows
+from ..drafting.proposal import Proposal
+from .acceptance_rules import accepted_lengths, greedy_tokens, process_rows, sample_rows
+from .tree_verification import greedy_tree_path, process_tree_logits, sampled_tree_path
 
 
 @dataclass

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from ..drafting import BlockDrafter, Drafts
+from ...policies.tree_size import TreeDrafting, remember_compiled_size
+from ...rows import Rows
+from ...stats import AcceptanceStats
+from ..block_drafter import BlockDrafter, Drafts
 from ..proposal import Proposal
-from ..rows import Rows
 from ..selector import sampling_temperature, selector_tree_children
-from ..stats import AcceptanceStats
-from ..tree_drafting import TreeDrafting, remember_compiled_size
 from .chain import ChainDrafting
 
 
 class DrafterTreeDrafting(ChainDrafting):
     """The block's drafter pass as for a chain, then a tree of the most probable continuations of its slots,
-    sized by `trees` (`tree_drafting.py`); a DFlash2 drafter's selector ranks each node's children given
+    sized by `trees` (`policies/tree_size.py`); a DFlash2 drafter's selector ranks each node's children given
     the node's token."""
 
     sends_trees = True

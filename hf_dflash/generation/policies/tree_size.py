@@ -1,10 +1,11 @@
 """Draft trees from the drafter's own distribution: more tokens per round from the same drafter pass.
 
 The drafter scores every vocabulary entry at every slot of its block in one pass; a chain keeps the argmax
-of each slot. A draft tree keeps the most probable continuations instead (`tree.best_first_tree`, as
-DDTree does): the target verifies all of them in one forward (tree mask, positions by depth) and keeps the
-longest one it agrees with, so greedy output stays token-identical; sampling walks the tree by sampling the
-target's own token at each node (`tree.sampled_tree_path`), so the output is distributed as the target's.
+of each slot. A draft tree keeps the most probable continuations instead (`drafting/draft_tree.py`:
+`best_first_tree`, as DDTree does): the target verifies all of them in one forward (tree mask, positions by
+depth) and keeps the longest one it agrees with, so greedy output stays token-identical; sampling walks the tree
+by sampling the target's own token at each node (`verifying/tree_verification.py`: `sampled_tree_path`), so the
+output is distributed as the target's.
 
 Opt in on the drafter (batch size 1; larger batches draft chains):
 
@@ -24,11 +25,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from ..modeling_dflash import DFlashDraftModel
+from ...modeling_dflash import DFlashDraftModel
+from ..drafting.draft_tree import Children, DraftTree, best_first_tree, best_first_tree_by
 from .confidence import DraftCalibration
 from .cost_model import CostModel
 from .cost_timing import measured_cost_model
-from .tree import Children, DraftTree, best_first_tree, best_first_tree_by
 
 TREE_ATTRIBUTE = "draft_tree"  # the drafter attribute `generate` reads
 # Under compiled verification "auto" chooses one tree size at the first tree of the first call and keeps it
@@ -102,7 +103,7 @@ class TreeDrafting:
 
     def build_by(self, root: int, length: int, children: Children) -> DraftTree:
         """The tree after `root` over `length` draft slots whose candidates depend on the parent token
-        (`tree.best_first_tree_by`; DFlash2's selector)."""
+        (`drafting/draft_tree.py:best_first_tree_by`; DFlash2's selector)."""
         return self.sized(*best_first_tree_by(root, length, children, self.max_nodes))
 
     def sized(self, tree: DraftTree, reach: torch.Tensor) -> DraftTree:

@@ -19,10 +19,11 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from .proposal import Proposal
-from .strategies.base import DraftStrategy
-from .target_slots import TargetSlots
-from .tree import chain_parents, padded_parents, tree_attention_bias, tree_depths
+from ..drafting.draft_tree import chain_parents, padded_parents, tree_depths
+from ..drafting.proposal import Proposal
+from ..drafting.strategies.base import DraftStrategy
+from ..target_slots import TargetSlots
+from .tree_verification import tree_attention_bias
 
 
 class Verifier:

@@ -6,13 +6,13 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ..drafting import BlockDrafter
+from ...stats import AcceptanceStats
+from ..block_drafter import BlockDrafter
 from ..proposal import Proposal
-from ..stats import AcceptanceStats
 
 if TYPE_CHECKING:
-    from ..rows import Rows
-    from ..verdict import Verdict
+    from ...rows import Rows
+    from ...verifying.verdict import Verdict
 
 
 class DraftStrategy(Protocol):

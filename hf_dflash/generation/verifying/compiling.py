@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import CompileConfig, StaticCache
 
-from ..caches import cache_keyword
+from ...caches import cache_keyword
 
 __all__ = ["COMPILE_SETTINGS", "STATIC_SLOT_MULTIPLE", "choose_compile", "compiled_generate_kwargs", "static_slots"]
 
@@ -23,7 +23,7 @@ STATIC_SLOT_MULTIPLE = 256
 
 def static_slots(max_length: int, block_size: int = 0, multiple: int = STATIC_SLOT_MULTIPLE) -> int:
     """Slots for a generation up to `max_length` tokens whose compiled rounds verify `block_size` tokens: room
-    for a padded last block (`verifier.pad_round`), rounded up to `multiple`."""
+    for a padded last block (`target_forward.pad_round`), rounded up to `multiple`."""
     needed = max_length + block_size
     return -(-needed // multiple) * multiple
 

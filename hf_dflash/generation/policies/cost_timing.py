@@ -21,14 +21,14 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
-from ..caches import cache_keyword
-from ..json_files import write_json_atomic
-from ..modeling_dflash import DFlashDraftModel
-from ..packed_linears import is_packed
-from ..target_features import target_layer_features
+from ...caches import cache_keyword
+from ...json_files import write_json_atomic
+from ...modeling_dflash import DFlashDraftModel
+from ...packed_linears import is_packed
+from ...target_features import target_layer_features
+from ..drafting.block_drafter import BlockDrafter
+from ..verifying.tree_verification import tree_attention_bias
 from .cost_model import CostModel, measured_block_lengths, measured_verification_lengths
-from .drafting import BlockDrafter
-from .tree import tree_attention_bias
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ def cost_model_key(target: PreTrainedModel, drafter: DFlashDraftModel) -> dict:
 def cost_model_path(key: dict, cache_dir: str | Path | None = None) -> Path:
     """`<cache_dir or hf_dflash cache>/cost_models/<hash of key>.json`."""
     if cache_dir is None:
-        from ..targets import default_cache_dir
+        from ...targets import default_cache_dir
 
         cache_dir = default_cache_dir()
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .drafting import Drafts
-from .tree import DraftTree
+from .block_drafter import Drafts
+from .draft_tree import DraftTree
 
 
 @dataclass

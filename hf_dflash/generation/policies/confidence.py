@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from ..modeling_dflash import DFlashDraftModel
+from ...modeling_dflash import DFlashDraftModel
 from .cost_model import CostModel, running_seconds
 from .cost_timing import measured_cost_model
 

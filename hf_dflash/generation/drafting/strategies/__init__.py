@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import warnings
 
-from ...modeling_dflash import DFlashDraftModel
-from ..adaptive import block_size_controller
-from ..drafting import BlockDrafter
-from ..options import verifies_trees
-from ..tree_drafting import TreeDrafting, tree_drafting
+from ....modeling_dflash import DFlashDraftModel
+from ...options import verifies_trees
+from ...policies.block_size import block_size_controller
+from ...policies.tree_size import TreeDrafting, tree_drafting
+from ..block_drafter import BlockDrafter
 from .base import DraftStrategy, Proposal
 from .chain import ChainDrafting
+from .drafter_tree import DrafterTreeDrafting
 from .hybrid import HybridDrafting
-from .tree import DrafterTreeDrafting
 
 __all__ = ["ChainDrafting", "DraftStrategy", "DrafterTreeDrafting", "HybridDrafting", "Proposal", "drafting_strategy"]
 

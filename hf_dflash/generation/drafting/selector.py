@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..modeling_dflash import DFlashDraftModel
-from ..modeling_dflash.custom_generate import sampled_choice, sampling_temperature
-from ..modeling_dflash.modeling_dflash import SelectorPath, greedy_choice, selector_walk, unary_top_k
+from ...modeling_dflash import DFlashDraftModel
+from ...modeling_dflash.custom_generate import sampled_choice, sampling_temperature
+from ...modeling_dflash.modeling_dflash import SelectorPath, greedy_choice, selector_walk, unary_top_k
 
 
 def selector_chain(

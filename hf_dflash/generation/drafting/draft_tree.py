@@ -1,14 +1,10 @@
-"""Pure functions of a draft tree: merging branches, depths, the attention mask, the longest accepted
-path, per-node logits processing, and keeping the accepted path in the target cache.
+"""What a draft tree is and how one is built: merging branches, best-first trees, depths, parents, and the
+path of a known continuation through it. How the target verifies one is `verifying/tree_verification.py`.
 
 A draft tree of N nodes: node 0 is the root (the bonus token: committed, not yet read by the target),
 every other node a drafted token. parents (N,): parents[0] = -1 and parents[i] < i, so the nodes can be
 verified in this order and every root-to-node path is increasing. A chain (parents[i] = i - 1) is the
 tree of one branch: verifying it is ordinary block verification.
-
-Verification reads all N nodes in ONE target forward: node i sits at position past + depth(i) and
-attends to the whole committed context and to its own ancestors (itself included), so its logits and
-hidden states equal those of a causal forward over context + the path to i.
 """
 
 from __future__ import annotations
@@ -19,10 +15,6 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
-from transformers import LogitsProcessorList
-from transformers.cache_utils import Cache
-
-from .verification import is_position_independent, process_draft_logits
 
 
 @dataclass(frozen=True)
@@ -166,111 +158,3 @@ def padded_parents(parents: Sequence[int], padding: int) -> tuple[int, ...]:
     (compiled verification). No real node has them as ancestors, so they change no real node's output."""
     size = len(parents)
     return tuple(parents) + tuple(range(size - 1, size - 1 + padding))
-
-
-def ancestor_mask(parents: Sequence[int]) -> torch.BoolTensor:
-    """(N, N) bool: [i, j] = node j is node i or one of its ancestors (lower-triangular; causal for a chain)."""
-    size = len(parents)
-    mask = torch.eye(size, dtype=torch.bool)
-    for node in range(1, size):
-        mask[node] |= mask[parents[node]]
-    return mask
-
-
-def tree_attention_bias(
-    parents: Sequence[int], past_length: int, dtype: torch.dtype, device: torch.device, key_slots: int | None = None
-) -> torch.Tensor:
-    """(1, 1, N, S) additive attention mask for the tree forward over S key slots (default past_length + N;
-    a static cache's whole length, whose slots after the tree hold nothing yet): 0 where a node may look (the
-    committed context and its ancestors), the dtype's minimum elsewhere. Transformers passes a 4D mask to
-    the attention as is; eager and SDPA both add a float mask to the scores."""
-    size = len(parents)
-    empty = (key_slots or past_length + size) - past_length - size
-    if empty < 0:
-        raise ValueError(f"A tree of {size} nodes after {past_length} slots does not fit {key_slots} key slots.")
-    visible = torch.cat(
-        [
-            torch.ones(size, past_length, dtype=torch.bool),
-            ancestor_mask(parents),
-            torch.zeros(size, empty, dtype=torch.bool),
-        ],
-        1,
-    )
-    bias = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
-    return bias.to(device)[None, None]
-
-
-def greedy_tree_path(tree: DraftTree, target_tokens: torch.LongTensor) -> list[int]:
-    """The longest accepted path, root first: from the root, step to the child whose token is the target's
-    greedy token after the current node, while there is one. target_tokens (N,): the target's choice after
-    each node. The committed tokens are tokens[path[1:]] followed by target_tokens[path[-1]]."""
-    children = tree.children
-    choices = target_tokens.tolist()
-    path = [0]
-    while (child := children[path[-1]].get(choices[path[-1]])) is not None:
-        path.append(child)
-    return path
-
-
-def sampled_tree_path(tree: DraftTree, target_probs: torch.Tensor) -> tuple[list[int], torch.LongTensor]:
-    """Sampling through a tree: at each node (from the root) draw the target's next token from its own
-    distribution; step to the child holding it, or stop and commit it. target_probs (N, V): the target's
-    (processed) distribution after each node. Every committed token is drawn from the target, so the
-    output is distributed exactly as plain sampling's; with deterministic candidates (a tree of the top
-    continuations, an n-gram copy) this is also the most a node's children can be accepted (their target
-    mass). Returns the path (root first) and the committed token after its last node (1,)."""
-    children = tree.children
-    path = [0]
-    while True:
-        token = torch.multinomial(target_probs[path[-1]], 1)
-        child = children[path[-1]].get(int(token))
-        if child is None:
-            return path, token
-        path.append(child)
-
-
-def node_prefix(sequence: torch.LongTensor, tree: DraftTree, node: int) -> torch.LongTensor:
-    """(1, L + depth): the committed tokens (ending with the root) followed by the drafts on the path to `node`."""
-    path = []
-    while node > 0:
-        path.append(node)
-        node = tree.parents[node]
-    return torch.cat([sequence, tree.tokens[path[::-1]][None].to(sequence.device)], 1)
-
-
-def process_tree_logits(
-    logits_processor: LogitsProcessorList | None, sequence: torch.LongTensor, tree: DraftTree, logits: torch.Tensor
-) -> torch.Tensor:
-    """Apply `logits_processor` to each node's logits with that node's own prefix, as plain decoding would.
-
-    sequence (1, L) is committed and ends with the root; logits (1, N, V) are the scores after each node.
-    Returns float32 (1, N, V); position-independent processors run once over all nodes.
-    """
-    if not logits_processor or is_position_independent(logits_processor):
-        return process_draft_logits(logits_processor, sequence, logits)
-    logits = logits.float()
-    return torch.stack(
-        [logits_processor(node_prefix(sequence, tree, node), logits[:, node]) for node in range(logits.shape[1])], 1
-    )
-
-
-def keep_tree_path(cache: Cache, num_nodes: int, keep: Sequence[int]) -> None:
-    """Keep, of the `num_nodes` tree entries that end every layer of `cache`, only the nodes `keep`
-    (increasing, root first), in that order; the context before the tree is untouched.
-
-    A path that is a prefix of the layout (0, 1, ..., n) is a crop. Otherwise the kept entries are copied
-    into the first len(keep) tree slots in place (O(path), not O(cache)) and the rest cropped, so the
-    cache's own `crop` keeps its bookkeeping (a sliding-window layer's length) right.
-    """
-    keep = list(keep)
-    if not keep or any(b <= a for a, b in zip(keep, keep[1:])) or keep[0] != 0 or keep[-1] >= num_nodes:
-        raise ValueError(f"keep_tree_path: keep={keep} must be increasing node ids from 0 below {num_nodes}.")
-    if keep != list(range(len(keep))):
-        for layer in cache.layers:
-            if not layer.is_initialized:
-                continue
-            start = int(layer.get_seq_length()) - num_nodes  # static layers: their write position
-            index = torch.tensor(keep, device=layer.keys.device) + start
-            layer.keys[..., start : start + len(keep), :] = layer.keys[..., index, :]
-            layer.values[..., start : start + len(keep), :] = layer.values[..., index, :]
-    cache.crop(-(num_nodes - len(keep)))

@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
 )
 
 # One copy of the acceptance rules: the self-contained Hub loop (custom_generate/generate.py) defines them.
-from ..modeling_dflash.custom_generate import accepted_lengths, speculative_sample  # noqa: F401  (re-exported)
+from ...modeling_dflash.custom_generate import accepted_lengths, speculative_sample  # noqa: F401  (re-exported)
 
 # Processors whose output depends only on the scores, never on input_ids (checked against
 # Transformers 5.23-5.25): they can process every position of a block in one vectorised call.
