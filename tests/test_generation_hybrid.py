@@ -382,7 +382,7 @@ def test_real_target_hybrid_on_a_copy_prompt(real_target):
 test_real_target_hybrid_on_a_copy_prompt = pytest.mark.real_model(test_real_target_hybrid_on_a_copy_prompt)
 
 
-# --- sampling: the branch is chosen before verification ---
+# --- sampling: both branches in one tree, recursive rejection sampling ---
 
 
 def test_one_hot_draft_rejection_sampling_keeps_the_target_distribution():
@@ -411,7 +411,7 @@ def test_one_hot_draft_rejection_sampling_keeps_the_target_distribution():
 @torch.no_grad()
 def test_hybrid_sampling_preserves_target_distribution():
     """generate(do_sample=True) in hybrid mode: the 2nd new token follows its exact marginal, with rounds
-    that verified the n-gram chain and rounds that verified the block among the runs."""
+    that verified the n-gram chain, the block, and both as one tree among the runs."""
     from tests.helpers.generation import ALPHA, chi_square_against, second_token_marginal
 
     warpers = dict(temperature=0.8, top_k=40, top_p=0.95)
@@ -422,13 +422,38 @@ def test_hybrid_sampling_preserves_target_distribution():
     p_second = second_token_marginal(target, prefix, **warpers)
     torch.manual_seed(0)
     counts = torch.zeros_like(p_second)
-    ngram_rounds = block_rounds = 0
+    ngram_rounds = block_rounds = both_rounds = 0
     for _ in range(1200):
         out = hybrid(target, drafter, prefix, m=3, max_new_tokens=3, eos_token_id=None, do_sample=True, **warpers)
         counts[out[0, prefix.shape[1] + 1]] += 1
         stats = drafter.last_acceptance
         ngram_rounds += sum(k == 1 and size > 1 for k, size in zip(stats.block_sizes, stats.tree_sizes))
         block_rounds += sum(k > 1 for k in stats.block_sizes)
-        assert all(k == 1 or size <= k for k, size in zip(stats.block_sizes, stats.tree_sizes))  # never both
+        both_rounds += sum(k > 1 and size > k for k, size in zip(stats.block_sizes, stats.tree_sizes))
     assert chi_square_against(counts, p_second, "hybrid generate(do_sample)").pvalue > ALPHA
-    assert ngram_rounds > 50 and block_rounds > 50, (ngram_rounds, block_rounds)
+    assert ngram_rounds > 50 and block_rounds > 50 and both_rounds > 50, (ngram_rounds, block_rounds, both_rounds)
+
+
+@torch.no_grad()
+def test_hybrid_tree_sampling_preserves_target_distribution():
+    """Sampling with the n-gram branch grafted onto the drafter's own tree (deterministic nodes throughout): the
+    2nd new token follows its exact marginal, and rounds verified trees whose drafts the target accepted."""
+    from tests.helpers.generation import ALPHA, chi_square_against, second_token_marginal
+
+    warpers = dict(temperature=0.8, top_k=40, top_p=0.95)
+    target = make_target("qwen3", seed=3)
+    drafter = make_drafter(target, block_size=4, seed=4)
+    drafter.draft_tree = 6
+    prefix = torch.arange(3, 43)[None]
+    p_second = second_token_marginal(target, prefix, **warpers)
+    torch.manual_seed(0)
+    counts = torch.zeros_like(p_second)
+    tree_rounds = accepted = 0
+    for _ in range(1000):
+        out = hybrid(target, drafter, prefix, m=3, max_new_tokens=3, eos_token_id=None, do_sample=True, **warpers)
+        counts[out[0, prefix.shape[1] + 1]] += 1
+        stats = drafter.last_acceptance
+        tree_rounds += sum(size > 4 for size in stats.tree_sizes)
+        accepted += sum(length > 1 for length in stats.acceptance_lengths)
+    assert chi_square_against(counts, p_second, "hybrid + drafter tree generate(do_sample)").pvalue > ALPHA
+    assert tree_rounds > 50 and accepted >= 10, (tree_rounds, accepted)  # a random drafter: few accepted

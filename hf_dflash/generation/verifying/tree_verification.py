@@ -1,5 +1,6 @@
 """How the target verifies a draft tree: the attention mask of its ONE forward, the longest path it accepts
-(greedy or sampled), and per-node logits processing. What a draft tree is: `drafting/draft_tree.py`.
+(greedy, sampled against deterministic drafts, or by recursive rejection sampling against drafts drawn from known
+distributions), and per-node logits processing. What a draft tree is: `drafting/draft_tree.py`.
 
 Verification reads all N nodes in ONE target forward: node i sits at position past + depth(i) and
 attends to the whole committed context and to its own ancestors (itself included), so its logits and
@@ -76,6 +77,39 @@ def sampled_tree_path(tree: DraftTree, target_probs: torch.Tensor) -> tuple[list
         if child is None:
             return path, token
         path.append(child)
+
+
+def multi_draft_sample_path(
+    tree: DraftTree, target_probs: torch.Tensor, draft_probs: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[list[int], torch.LongTensor]:
+    """Sampling through a tree whose drafts were drawn from known distributions, by recursive rejection sampling
+    (SpecInfer's multi-step speculative sampling, Miao et al. 2024, Algorithm 2; SpecTr, Sun et al. 2023): at a node
+    the residual r starts as the target's distribution after it; each child c in node order, drawn from q_c, is
+    accepted with probability min(1, r(x_c) / q_c(x_c)) and the walk steps into it, else r becomes
+    norm(max(r - q_c, 0)); when every child is rejected the committed token is drawn from r. The output is
+    distributed exactly as plain sampling's for any q fixed before the target's draws. A deterministic draft (an
+    n-gram copy, a top-k tree's node) is a one-hot q: it is accepted with r(x_c), which for a tree of such nodes
+    alone is `sampled_tree_path`'s rule. target_probs (N, V): after each node; draft_probs (N, V): row i the
+    distribution node i's token was drawn from (row 0, the root's, unused). Returns the path (root first) and the
+    committed token after its last node (1,)."""
+    children = tree.children
+    tokens = tree.tokens.tolist()
+    path = [0]
+    while True:
+        residual = target_probs[path[-1]]
+        for child in sorted(children[path[-1]].values()):
+            token, proposal = tokens[child], draft_probs[child]
+            accept = (
+                (residual[token] / proposal[token]).clamp(max=1.0) if proposal[token] > 0 else residual.new_zeros(())
+            )
+            if torch.rand((), generator=generator, device=residual.device) < accept:
+                path.append(child)
+                break
+            residual = (residual - proposal).clamp(min=0)
+            mass = residual.sum()
+            residual = residual / mass if mass > 0 else target_probs[path[-1]]  # mass 0: a rejection of probability 0
+        else:
+            return path, torch.multinomial(residual, 1, generator=generator)
 
 
 def node_prefix(sequence: torch.LongTensor, tree: DraftTree, node: int) -> torch.LongTensor:

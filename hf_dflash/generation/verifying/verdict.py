@@ -8,7 +8,7 @@ import torch
 
 from ..drafting.proposal import Proposal
 from .acceptance_rules import accepted_lengths, greedy_tokens, process_rows, sample_rows
-from .tree_verification import greedy_tree_path, process_tree_logits, sampled_tree_path
+from .tree_verification import greedy_tree_path, multi_draft_sample_path, process_tree_logits, sampled_tree_path
 
 
 @dataclass
@@ -43,11 +43,16 @@ def judge(proposal: Proposal, outputs, prefixes, logits_processor, do_sample: bo
 
 def judge_tree(proposal: Proposal, raw_logits, hidden_states, prefix, logits_processor, do_sample: bool) -> Verdict:
     """The longest accepted path through the proposal's tree (batch 1), its outputs laid out along that path as if
-    it had been a chain."""
+    it had been a chain. Sampling: drafts with the distributions they were drawn from (`Drafts.scores`, (1, N-1, V))
+    go through recursive rejection sampling, deterministic ones through the target's own draws."""
     tree = proposal.tree
     processed = process_tree_logits(logits_processor, prefix[None], tree, raw_logits)
     if do_sample:
-        path, last = sampled_tree_path(tree, processed[0].softmax(-1))
+        target_probs, draft_probs = processed[0].softmax(-1), proposal.drafts.scores
+        if draft_probs is None:
+            path, last = sampled_tree_path(tree, target_probs)
+        else:  # node 0, the root, was not drafted: its row is never read
+            path, last = multi_draft_sample_path(tree, target_probs, torch.cat([draft_probs[0, :1], draft_probs[0]]))
         new_tokens = torch.cat([tree.tokens[path[1:]].to(last.device), last])[None]
     else:
         path = greedy_tree_path(tree, greedy_tokens(processed[0]))

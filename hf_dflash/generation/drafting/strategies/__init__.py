@@ -28,8 +28,7 @@ def drafting_strategy(
     do_sample = bool(generation_config.do_sample)
     ngram = generation_config.prompt_lookup_num_tokens
     hybrid = ngram is not None
-    # Sampling with hybrid drafting chooses one branch before verification: the block stays a chain there.
-    trees = None if hybrid and do_sample else tree_drafting(drafter, target, fixed_width)
+    trees = tree_drafting(drafter, target, fixed_width)
     trees = verifiable_trees(trees, target, cache, generation_config.max_length, batch_size)
     controller = None if hybrid else block_size_controller(drafter, target, batch_size, fixed_width, trees is not None)
     if trees is None:
@@ -38,7 +37,7 @@ def drafting_strategy(
         strategy = DrafterTreeDrafting(block, controller, do_sample, logits_processor, trees)
     if hybrid:
         max_nodes = strategy.width() + ngram
-        one_branch = do_sample or not verifies_trees(target, cache, generation_config.max_length, max_nodes)
+        one_branch = not verifies_trees(target, cache, generation_config.max_length, max_nodes)
         strategy = HybridDrafting(strategy, target, generation_config, one_branch, fixed_width)
     return strategy
 

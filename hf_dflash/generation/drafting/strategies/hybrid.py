@@ -3,9 +3,9 @@
 With `prompt_lookup_num_tokens` beside a DFlash assistant (batch size 1), each round drafts the block (a chain
 or a drafter tree: the wrapped strategy) and looks up an n-gram continuation of the committed tokens; the two
 branches are merged into a trie (`draft_tree.merge_branches`: a shared prefix is verified once) and verified in ONE
-target forward (greedy), or the better branch is chosen before verification (`one_branch`: sampling, or a
-target that cannot take a tree mask). How many drafts each branch offers is the `TreeBudget`'s choice
-(`policies/hybrid_budget.py`).
+target forward (greedy, or sampling by recursive rejection sampling: `verifying/tree_verification.py`), or
+the better branch is chosen before verification (`one_branch`: a target that cannot take a tree mask). How
+many drafts each branch offers is the `TreeBudget`'s choice (`policies/hybrid_budget.py`).
 """
 
 from __future__ import annotations
@@ -78,8 +78,9 @@ class HybridDrafting:
     def candidates(self, root: int, block: Proposal, ngram: torch.LongTensor) -> Drafts:
         """The round's draft from the block's proposal and the n-gram drafts (m,): the block alone, the n-gram
         chain alone (with one-hot draft probabilities when sampling: rejection sampling then accepts a draft with
-        probability p(draft)), or both as `self.tree`'s nodes 1..N-1 (greedy only). A drafter tree (the block's
-        tree) gets the n-gram chain grafted onto it."""
+        probability p(draft)), or both as `self.tree`'s nodes 1..N-1 (when sampling, with the distribution each node
+        was drawn from: the chain's own, one-hot for the n-gram's and a drafter tree's deterministic nodes). A drafter
+        tree (the block's tree) gets the n-gram chain grafted onto it."""
         self.block_tree = block.tree if block.tree is not None else merge_branches(root, [block.drafts.tokens[0]])
         self.tree = merge_branches(root, [ngram], base=self.block_tree)
         if not len(ngram):
@@ -87,9 +88,13 @@ class HybridDrafting:
         if not block.num_drafts:
             one_hot = torch.nn.functional.one_hot(ngram, self.vocab_size).float()[None] if self.do_sample else None
             return Drafts(ngram[None], one_hot)
-        if self.do_sample:
-            raise RuntimeError("Sampling verifies one branch: the tree budget must not choose both.")
-        return Drafts(self.tree.tokens[None, 1:])
+        if not self.do_sample:
+            return Drafts(self.tree.tokens[None, 1:])
+        scores = torch.nn.functional.one_hot(self.tree.tokens[1:], self.vocab_size).float()  # (N-1, V)
+        if block.tree is None:  # the chain's drafts were drawn from the block's distributions
+            chain_nodes = torch.tensor(self.block_tree.branches[0], device=scores.device)
+            scores[chain_nodes - 1] = block.drafts.scores[0].to(scores.dtype)
+        return Drafts(self.tree.tokens[None, 1:], scores[None])
 
     def observe(self, rows: Rows, proposal: Proposal, verdict, committed, stats: AcceptanceStats) -> None:
         start = rows.lengths[0] - int(committed[0])
