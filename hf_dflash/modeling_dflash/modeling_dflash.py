@@ -256,6 +256,9 @@ class DFlashAttention(Qwen3Attention):
         key = apply_rope(key, cos, sin)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
+            if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-1] > key.shape[-2]:
+                # a sliding-window cache layer returns only the keys its window still needs (the last ones)
+                attention_mask = attention_mask[..., -key.shape[-2] :]
 
         if attention_mask is not None and self.config._attn_implementation == "eager":
             attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
