@@ -104,24 +104,27 @@ class DFlashGroupedConv(nn.Module):
 
     base_kernel (2, taps, H): [0] convolves the sublayer's input, [1] its output. kernel_projection
     (H -> 2 * taps * G, G = H / group_size) reads the sublayer's (normed) input and gives both sides'
-    per-position deltas. Identity (`reset_to_identity`): base tap 0 = 1, all else 0.
+    per-position deltas. Identity (`reset_to_identity`): base tap 0 = 1, all else 0. The block size is an
+    argument of every call, read from the drafter's config: nothing here keeps it, so a drafter trained further at
+    another block size (its `config.block_size` changed) convolves within the blocks its config states.
     """
 
-    def __init__(self, hidden_size: int, taps: int, group_size: int, block_size: int):
+    def __init__(self, hidden_size: int, taps: int, group_size: int):
         super().__init__()
-        self.taps, self.groups, self.block_size = taps, hidden_size // group_size, block_size
+        self.taps, self.groups = taps, hidden_size // group_size
         self.base_kernel = nn.Parameter(torch.zeros(2, taps, hidden_size))
         self.kernel_projection = nn.Linear(hidden_size, 2 * taps * self.groups, bias=False)
 
-    def before(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, q, H) sublayer input -> (its convolution, the (B, q, taps, G) deltas for `after`)."""
+    def before(self, hidden: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, q, H) sublayer input, q in blocks of `block_size` -> (its convolution, the (B, q, taps, G) deltas
+        for `after`)."""
         deltas = self.kernel_projection(hidden).view(*hidden.shape[:-1], 2, self.taps, self.groups)
-        convolved = grouped_dynamic_conv(hidden, deltas[..., 0, :, :], self.base_kernel[0], self.block_size)
+        convolved = grouped_dynamic_conv(hidden, deltas[..., 0, :, :], self.base_kernel[0], block_size)
         return convolved, deltas[..., 1, :, :]
 
-    def after(self, output: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+    def after(self, output: torch.Tensor, deltas: torch.Tensor, block_size: int) -> torch.Tensor:
         """(B, q, H) sublayer output -> its convolution with the deltas `before` computed."""
-        return grouped_dynamic_conv(output, deltas, self.base_kernel[1], self.block_size)
+        return grouped_dynamic_conv(output, deltas, self.base_kernel[1], block_size)
 
     @torch.no_grad()
     def reset_to_identity(self) -> None:
@@ -289,24 +292,25 @@ class DFlashDecoderLayer(Qwen3DecoderLayer):
         self.self_attn = DFlashAttention(config, layer_idx)
         self.attention_conv = self.mlp_conv = None
         if config.is_dflash2:  # DFlash2: a grouped dynamic convolution around each sublayer (block only)
-            sizes = (config.hidden_size, config.conv_kernel_size, config.conv_group_size, config.block_size)
+            sizes = (config.hidden_size, config.conv_kernel_size, config.conv_group_size)
             self.attention_conv, self.mlp_conv = DFlashGroupedConv(*sizes), DFlashGroupedConv(*sizes)
 
     def forward(self, hidden_states, context, position_embeddings, attention_mask=None, cache=None, **kwargs):
         """hidden_states (B, q, H) the block(s); context (B, C, H) the fused target context (never convolved)."""
         normed = self.input_layernorm(hidden_states)
+        block_size = self.self_attn.config.block_size  # the drafter's config (training may change it)
         if self.attention_conv is not None:
-            normed, deltas = self.attention_conv.before(normed)
+            normed, deltas = self.attention_conv.before(normed, block_size)
         attended = self.self_attn(normed, context, position_embeddings, attention_mask, cache, **kwargs)
         if self.attention_conv is not None:
-            attended = self.attention_conv.after(attended, deltas)
+            attended = self.attention_conv.after(attended, deltas, block_size)
         hidden_states = hidden_states + attended
         normed = self.post_attention_layernorm(hidden_states)
         if self.mlp_conv is not None:
-            normed, deltas = self.mlp_conv.before(normed)
+            normed, deltas = self.mlp_conv.before(normed, block_size)
         transformed = self.mlp(normed)
         if self.mlp_conv is not None:
-            transformed = self.mlp_conv.after(transformed, deltas)
+            transformed = self.mlp_conv.after(transformed, deltas, block_size)
         return hidden_states + transformed
 
 
