@@ -3,7 +3,8 @@
 Two training cycles that start from the same weights on different draws of the data land in one basin: their mean
 often accepts more than either (the seventh and eighth v6 cycles, both from the sixth: held-out served τ 3.368 and
 3.403, their mean 3.471; docs/drafter-history.md). Every drafter must have the same architecture (the same config
-apart from its dtype and serving settings); the mean is taken in fp32 and saved in `--dtype` (default bfloat16):
+apart from its dtype and serving settings) and the same draft vocabulary; the mean is taken in fp32 and saved in
+`--dtype` (default bfloat16):
 
     python scripts/average_drafters.py models/smollm2-135m-instruct-dflash out/v6h/n64 --out out/soup
     python benchmarks/training/heldout_tau.py out/soup --eval-part regen-bf16-part2 --samples 64
@@ -47,6 +48,23 @@ def check_same_architecture(configs: Sequence, names: Sequence[str]) -> None:
                 )
 
 
+def check_same_draft_vocab(drafters: Sequence, names: Sequence[str]) -> None:
+    """ValueError naming a drafter whose draft vocabulary (the target ids of `d2t`) differs from the first one's:
+    the mean of two vocabularies' `d2t`/`t2d` buffers is no vocabulary, and the rows of the mean drafter's outputs
+    would score other tokens than either was trained on."""
+    first = drafters[0].draft_token_ids
+    for drafter, name in zip(drafters[1:], names[1:], strict=True):
+        ids = drafter.draft_token_ids
+        if first is None or ids is None or torch.equal(first, ids):
+            continue  # a whole-vocabulary drafter beside a pruned one differs in draft_vocab_size (architecture)
+        only_here, only_first = (len(set(a.tolist()) - set(b.tolist())) for a, b in ((ids, first), (first, ids)))
+        raise ValueError(
+            f"{name} drafts over another draft vocabulary than {names[0]} (d2t: {only_here} ids only in {name}, "
+            f"{only_first} only in {names[0]}): only drafters with one draft vocabulary can be averaged (training "
+            "from one starting point, `drafter.init_from`, keeps its draft vocabulary)."
+        )
+
+
 def average_state_dicts(state_dicts: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The element-wise fp32 mean of state dicts with the same keys and shapes."""
     keys = set(state_dicts[0])
@@ -65,6 +83,7 @@ def average_drafters(paths: Sequence[str], out_dir: str | Path, dtype: str = "bf
         check_destination(path, out_dir, overwrite=False)
     drafters = [load_drafter(path, dtype=torch.float32) for path in paths]
     check_same_architecture([drafter.config for drafter in drafters], [str(path) for path in paths])
+    check_same_draft_vocab(drafters, [str(path) for path in paths])
     soup = drafters[0]
     soup.load_state_dict(average_state_dicts([drafter.state_dict() for drafter in drafters]))
     return save_hub(soup, out_dir, dtype=getattr(torch, dtype))

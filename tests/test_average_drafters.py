@@ -50,3 +50,17 @@ def test_other_architectures_and_existing_folders_are_refused(tmp_path):
     with pytest.raises(ValueError, match="not empty"):
         average.average_drafters([str(p) for p in paths], paths[0].parent / "drafter1")
     assert average.main([str(paths[0])] + ["--out", str(tmp_path / "one")]) == 2  # one drafter: a user error
+
+
+def test_drafters_with_other_draft_vocabularies_are_refused_by_name(tmp_path):
+    """Same architecture and draft_vocab_size, other ids: the mean of d2t/t2d is no vocabulary (issue 53)."""
+    target = make_target("llama")
+    paths = []
+    for index in range(2):
+        drafter = make_drafter(target, block_size=4, draft_vocab_size=32)
+        drafter.set_draft_vocab(torch.randperm(128, generator=torch.Generator().manual_seed(index))[:32])
+        paths.append(save_hub(drafter, tmp_path / f"drafter{index}"))
+    with pytest.raises(ValueError, match=r"drafter1 drafts over another draft vocabulary than .*drafter0") as refusal:
+        average.average_drafters([str(p) for p in paths], tmp_path / "soup")
+    assert "d2t" in str(refusal.value) and not (tmp_path / "soup").exists()
+    assert average.main([str(p) for p in paths] + ["--out", str(tmp_path / "soup")]) == 2

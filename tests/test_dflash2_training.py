@@ -211,3 +211,62 @@ def test_the_selector_gets_its_own_learning_rate(tmp_path):
     assert any("selector_acc" in entry for entry in trainer.state.log_history)
     with pytest.raises(ValueError, match="selector_learning_rate must be > 0"):
         arguments(tmp_path, selector_learning_rate=0.0)
+
+
+def packed_equals_served(trained, served, target, block_size: int) -> float:
+    """Max |packed training forward of `trained` - one block at a time through `served`| over the blocks of a
+    batch of `block_size` blocks (fp32): the function trained is the one served."""
+    from hf_dflash.trainer import DFlashDataCollator
+
+    collate = DFlashDataCollator(block_size, num_anchors=5, mask_token_id=served.config.mask_token_id, gamma=3.0)
+    batch = collate(samples(count=2, length=40, seed=5))
+    features = compute_target_features(
+        target, batch["input_ids"], served.config.target_layer_ids, batch["attention_mask"]
+    )
+    embedding, worst = target.get_input_embeddings(), 0.0
+    with torch.no_grad():
+        packed = dflash_training_forward(trained, embedding, batch, features, trained.config)
+        for row, anchor in batch["anchor_valid"].nonzero().tolist():
+            p, block = (
+                int(batch["anchor_positions"][row, anchor]),
+                slice(anchor * block_size, (anchor + 1) * block_size),
+            )
+            one = served(
+                noise_embeds=embedding(batch["block_ids"][row : row + 1, block]),
+                context_hidden_states=features[row : row + 1, :p],
+                position_ids=torch.arange(p + block_size)[None],
+            ).last_hidden_state
+            worst = max(worst, float((one - packed[row : row + 1, block]).abs().max()))
+    return worst
+
+
+@pytest.mark.parametrize("start", ["dflash2_block_4", "dflash_block_4_upgraded"])
+def test_training_at_another_block_size_trains_the_function_it_saves(run_config, tmp_path, start):
+    """A block-4 drafter (DFlash2, or DFlash upgraded to DFlash2) trained at block 8 (issue 53): the convolutions
+    trained and those served after save + load_drafter stop at the same block boundaries (< 1e-5, fp32)."""
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    from hf_dflash.checkpoints import load_drafter
+    from hf_dflash.checkpoints.hub import save_hub
+    from hf_dflash.trainer.train import load_train_config, train_from_config
+    from tests.helpers.training import write_tokenized
+
+    config = yaml.safe_load(run_config.read_text())
+    target = AutoModelForCausalLM.from_pretrained(config["target"], dtype=torch.float32).eval()
+    upgrade = {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 5}
+    start_drafter = make_drafter(target, block_size=4, num_hidden_layers=1)
+    if start == "dflash2_block_4":
+        start_drafter = dflash2_from_dflash(start_drafter, **upgrade)
+    save_hub(start_drafter, tmp_path / "start")
+    write_tokenized(tmp_path / "long", samples(count=8, length=40))
+    config["drafter"] = {"init_from": str(tmp_path / "start")}
+    if start != "dflash2_block_4":
+        config["drafter"]["upgrade_to_dflash2"] = upgrade
+    config["data"]["tokenized"] = str(tmp_path / "long")
+    config["training"].update(block_size=8, output_dir=str(tmp_path / "block8"), learning_rate=1e-2)
+    (tmp_path / "block8.yaml").write_text(yaml.safe_dump(config))
+    trained = train_from_config(load_train_config(tmp_path / "block8.yaml")).model.float().eval()
+    served = load_drafter(tmp_path / "block8", dtype=torch.float32).eval()
+    assert served.config.block_size == trained.config.block_size == 8
+    assert packed_equals_served(trained, served, target, 8) < 1e-5

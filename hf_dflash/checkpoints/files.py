@@ -77,7 +77,10 @@ def check_weight_files(path: Path) -> list[Path]:
             with safe_open(str(file), framework="pt") as handle:
                 handle.keys()
         except Exception as error:  # safetensors raises its own SafetensorError / OSError
-            raise ValueError(f"{file} is not a readable safetensors file: {error}") from error
+            raise ValueError(
+                f"{file} is not a readable safetensors file, a truncated or corrupt weights file ({error}); "
+                "copy or download it again."
+            ) from error
     return files
 
 

@@ -21,7 +21,11 @@ import torch
 from safetensors import safe_open
 
 from ..modeling_dflash import DFlashConfig, DFlashDraftModel
-from ..modeling_dflash.configuration_dflash import check_checkpoint_fields, dflash_kwargs_from_official
+from ..modeling_dflash.configuration_dflash import (
+    check_checkpoint_fields,
+    check_known_keys,
+    dflash_kwargs_from_official,
+)
 from .building import build_drafter, first_problems, shape_mismatch
 from .files import CONFIG_NAME, check_weight_files, read_config, resolve_folder, weight_files
 from .official import load_official
@@ -113,6 +117,7 @@ def load_drafter(path: str | os.PathLike, num_target_layers: int | None = None, 
     check_weight_files(folder)
     if kind == "hub":
         config = read_config(folder)
+        check_known_keys(config, str(folder / CONFIG_NAME))
         check_checkpoint_fields(config, str(folder / CONFIG_NAME))
         check_draft_vocab_shapes(folder, config)
         check_weight_shapes(folder)

@@ -16,6 +16,9 @@ convolution around both sublayers of every layer (`layers.{i}.attention_conv`, `
 (`selector_walk`). At identity initialisation both are no-ops: the drafter computes DFlash's outputs.
 """
 
+import json
+import os
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -101,24 +104,27 @@ class DFlashGroupedConv(nn.Module):
 
     base_kernel (2, taps, H): [0] convolves the sublayer's input, [1] its output. kernel_projection
     (H -> 2 * taps * G, G = H / group_size) reads the sublayer's (normed) input and gives both sides'
-    per-position deltas. Identity (`reset_to_identity`): base tap 0 = 1, all else 0.
+    per-position deltas. Identity (`reset_to_identity`): base tap 0 = 1, all else 0. The block size is an
+    argument of every call, read from the drafter's config: nothing here keeps it, so a drafter trained further at
+    another block size (its `config.block_size` changed) convolves within the blocks its config states.
     """
 
-    def __init__(self, hidden_size: int, taps: int, group_size: int, block_size: int):
+    def __init__(self, hidden_size: int, taps: int, group_size: int):
         super().__init__()
-        self.taps, self.groups, self.block_size = taps, hidden_size // group_size, block_size
+        self.taps, self.groups = taps, hidden_size // group_size
         self.base_kernel = nn.Parameter(torch.zeros(2, taps, hidden_size))
         self.kernel_projection = nn.Linear(hidden_size, 2 * taps * self.groups, bias=False)
 
-    def before(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, q, H) sublayer input -> (its convolution, the (B, q, taps, G) deltas for `after`)."""
+    def before(self, hidden: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, q, H) sublayer input, q in blocks of `block_size` -> (its convolution, the (B, q, taps, G) deltas
+        for `after`)."""
         deltas = self.kernel_projection(hidden).view(*hidden.shape[:-1], 2, self.taps, self.groups)
-        convolved = grouped_dynamic_conv(hidden, deltas[..., 0, :, :], self.base_kernel[0], self.block_size)
+        convolved = grouped_dynamic_conv(hidden, deltas[..., 0, :, :], self.base_kernel[0], block_size)
         return convolved, deltas[..., 1, :, :]
 
-    def after(self, output: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+    def after(self, output: torch.Tensor, deltas: torch.Tensor, block_size: int) -> torch.Tensor:
         """(B, q, H) sublayer output -> its convolution with the deltas `before` computed."""
-        return grouped_dynamic_conv(output, deltas, self.base_kernel[1], self.block_size)
+        return grouped_dynamic_conv(output, deltas, self.base_kernel[1], block_size)
 
     @torch.no_grad()
     def reset_to_identity(self) -> None:
@@ -256,6 +262,9 @@ class DFlashAttention(Qwen3Attention):
         key = apply_rope(key, cos, sin)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
+            if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-1] > key.shape[-2]:
+                # a sliding-window cache layer returns only the keys its window still needs (the last ones)
+                attention_mask = attention_mask[..., -key.shape[-2] :]
 
         if attention_mask is not None and self.config._attn_implementation == "eager":
             attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
@@ -283,25 +292,88 @@ class DFlashDecoderLayer(Qwen3DecoderLayer):
         self.self_attn = DFlashAttention(config, layer_idx)
         self.attention_conv = self.mlp_conv = None
         if config.is_dflash2:  # DFlash2: a grouped dynamic convolution around each sublayer (block only)
-            sizes = (config.hidden_size, config.conv_kernel_size, config.conv_group_size, config.block_size)
+            sizes = (config.hidden_size, config.conv_kernel_size, config.conv_group_size)
             self.attention_conv, self.mlp_conv = DFlashGroupedConv(*sizes), DFlashGroupedConv(*sizes)
 
     def forward(self, hidden_states, context, position_embeddings, attention_mask=None, cache=None, **kwargs):
         """hidden_states (B, q, H) the block(s); context (B, C, H) the fused target context (never convolved)."""
         normed = self.input_layernorm(hidden_states)
+        block_size = self.self_attn.config.block_size  # the drafter's config (training may change it)
         if self.attention_conv is not None:
-            normed, deltas = self.attention_conv.before(normed)
+            normed, deltas = self.attention_conv.before(normed, block_size)
         attended = self.self_attn(normed, context, position_embeddings, attention_mask, cache, **kwargs)
         if self.attention_conv is not None:
-            attended = self.attention_conv.after(attended, deltas)
+            attended = self.attention_conv.after(attended, deltas, block_size)
         hidden_states = hidden_states + attended
         normed = self.post_attention_layernorm(hidden_states)
         if self.mlp_conv is not None:
-            normed, deltas = self.mlp_conv.before(normed)
+            normed, deltas = self.mlp_conv.before(normed, block_size)
         transformed = self.mlp(normed)
         if self.mlp_conv is not None:
-            transformed = self.mlp_conv.after(transformed, deltas)
+            transformed = self.mlp_conv.after(transformed, deltas, block_size)
         return hidden_states + transformed
+
+
+def mismatch_line(entry) -> str:
+    """'key is (found) in the weights but config.json gives (expected)' for one of Transformers' mismatched keys
+    ((key, checkpoint shape, model shape) in 5.25; the bare entry otherwise)."""
+    if isinstance(entry, (tuple, list)) and len(entry) == 3:
+        key, found, expected = entry
+        return f"{key} is {tuple(found)} in the weights but config.json gives {tuple(expected)}"
+    return str(entry)
+
+
+def check_loading_info(info: dict, source, config: DFlashConfig) -> None:
+    """ValueError for a checkpoint whose weights Transformers' loading info (`output_loading_info=True`) reports
+    mismatched (named with both shapes), missing or unexpected: Transformers only warns about the last two, and a
+    drafter with random layers drafts garbage silently."""
+    if info.get("mismatched_keys"):
+        raise ValueError(
+            f"DFlash checkpoint {source}: weight shapes do not match its config.json: "
+            + "; ".join(mismatch_line(entry) for entry in sorted(info["mismatched_keys"], key=str))
+            + ". The weights and the config come from different drafters: set config.json to the sizes the "
+            "weights were trained with."
+        )
+    problems = {k: sorted(info.get(k) or []) for k in ("missing_keys", "unexpected_keys")}
+    problems = {k: v for k, v in problems.items() if v}
+    if problems:
+        raise ValueError(
+            f"DFlash checkpoint {source} does not match DFlashDraftModel: {problems}. "
+            "Expected keys layers.{i}.*, norm.weight, fc.weight, hidden_norm.weight (no 'model.' prefix)"
+            + (", candidate_selector.* (DFlash2)" if config.is_dflash2 else "")
+            + (", d2t, t2d (draft_vocab_size is set)." if config.draft_vocab_size is not None else ".")
+        )
+
+
+def safetensors_problem(file: Path) -> str | None:
+    """Why the safetensors `file` is truncated or corrupt (its 8-byte header length, JSON header and the data
+    its tensors' offsets need, checked without reading the data), or None."""
+    size = file.stat().st_size
+    with open(file, "rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            return f"{size} bytes, shorter than the 8-byte header length"
+        header_length = int.from_bytes(prefix, "little")
+        if size < 8 + header_length:
+            return f"its header says {header_length} bytes but the file has {size} bytes in all"
+        try:
+            header = json.loads(handle.read(header_length))
+        except ValueError:
+            return "its header is not valid JSON"
+    ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+    needed = 8 + header_length + max(ends, default=0)
+    return None if size >= needed else f"its tensors end at byte {needed} but the file has {size} bytes"
+
+
+def check_local_weight_files(folder) -> None:
+    """ValueError naming a truncated or corrupt `*.safetensors` file of a local checkpoint folder (a Hub repo id
+    is left to `from_pretrained`)."""
+    if not isinstance(folder, (str, os.PathLike)) or not os.path.isdir(folder):
+        return
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        problem = safetensors_problem(file)
+        if problem is not None:
+            raise ValueError(f"{file} is a truncated or corrupt weights file: {problem}. Copy or download it again.")
 
 
 class DFlashPreTrainedModel(PreTrainedModel):
@@ -539,7 +611,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """`PreTrainedModel.from_pretrained` that refuses checkpoints with missing or unexpected keys
-        (Transformers only warns, and a drafter with random layers drafts garbage silently).
+        (Transformers only warns, and a drafter with random layers drafts garbage silently), names each tensor
+        whose shape differs from the config's and a truncated or corrupt weights file.
 
         A foreign `config=` (the official layout's `Qwen3Config` with `dflash_config`, which
         `AutoModel.from_pretrained(official_folder, trust_remote_code=True)` passes) is translated."""
@@ -547,16 +620,18 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         if isinstance(config, PreTrainedConfig) and not isinstance(config, DFlashConfig):
             kwargs["config"] = DFlashConfig.from_dict(config.to_dict())
         wants_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        problems = {k: sorted(info.get(k) or []) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-        problems = {k: v for k, v in problems.items() if v}
-        if problems:
+        source = args[0] if args else kwargs.get("pretrained_model_name_or_path", "")
+        check_local_weight_files(source)
+        kwargs["ignore_mismatched_sizes"] = True  # refused below by name (Transformers 5.25: a bare RuntimeError)
+        try:
+            model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        except Exception as error:  # safetensors' SafetensorError, by name: remote code imports torch/transformers
+            if type(error).__name__ != "SafetensorError":
+                raise
             raise ValueError(
-                f"DFlash checkpoint {args[0] if args else ''} does not match DFlashDraftModel: {problems}. "
-                "Expected keys layers.{i}.*, norm.weight, fc.weight, hidden_norm.weight (no 'model.' prefix)"
-                + (", candidate_selector.* (DFlash2)" if model.config.is_dflash2 else "")
-                + (", d2t, t2d (draft_vocab_size is set)." if model.config.draft_vocab_size is not None else ".")
-            )
+                f"DFlash checkpoint {source}: a truncated or corrupt weights file ({error}); copy or download it again."
+            ) from error
+        check_loading_info(info, source, model.config)
         model.check_draft_vocab()
         return (model, info) if wants_info else model
 

@@ -4,6 +4,7 @@ Self-contained (imports only `transformers`): this file is copied verbatim into 
 remote code, next to `modeling_dflash.py`.
 """
 
+import difflib
 import math
 import numbers
 
@@ -76,6 +77,39 @@ OFFICIAL_DFLASH2_KEYS = {
     *DFLASH2_FIELDS,
     *NEUTRAL_TRANSFORMS,
 }
+
+# Keys a Hub-native config.json may carry besides `DFlashConfig`'s own fields and what Transformers' running
+# `PreTrainedConfig` writes: keys of other Transformers versions, and the decoder keys of the Qwen3 config that the
+# official layout is (a folder converted by hand keeps them). None of them changes the drafter.
+STANDARD_CONFIG_KEYS = (
+    "_name_or_path", "_commit_hash", "_attn_implementation", "architectures", "auto_map", "model_type",
+    "transformers_version", "dtype", "torch_dtype", "use_cache", "quantization_config", "custom_pipelines",
+    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+    "output_attentions", "output_hidden_states", "return_dict", "torchscript", "id2label", "label2id",
+    "problem_type", "finetuning_task", "task_specific_params", "tokenizer_class", "prefix", "pruned_heads",
+    "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder", "add_cross_attention", "tie_encoder_decoder",
+    "cross_attention_hidden_size", "rope_theta", "rope_scaling", "use_sliding_window", "max_window_layers",
+)  # fmt: skip
+
+
+def check_known_keys(config_dict: dict, source: str = "config.json") -> None:
+    """Raise a `ValueError` for a key of a Hub-native config dict that neither `DFlashConfig` nor Transformers
+    knows (`STANDARD_CONFIG_KEYS`): a misspelt field (`block_size_poliy`) or one this version lacks would be
+    ignored silently, and the drafter served otherwise than its config.json says. Names the key, the closest
+    known one and the DFlash fields."""
+    fields = [name for name in DFlashConfig.__annotations__ if not name.startswith("_")]
+    known = {*fields, *STANDARD_CONFIG_KEYS, *PreTrainedConfig().to_dict(), *PreTrainedConfig.__annotations__}
+    unknown = sorted(str(key) for key in config_dict if key not in known)
+    if not unknown:
+        return
+    close = difflib.get_close_matches(unknown[0], fields + sorted(set(known) - set(fields)), n=1, cutoff=0.6)
+    raise ValueError(
+        f"{source}: unknown key {unknown[0]!r}"
+        + (f" (did you mean {close[0]!r}?)" if close else "")
+        + (f", and {unknown[1:]}" if len(unknown) > 1 else "")
+        + f": the drafter's code would ignore it silently. A DFlash config.json holds the fields {fields} and Transformers' "
+        "standard keys; correct or remove it (a newer hf_dflash may know it: update hf_dflash)."
+    )
 
 
 def default_target_layer_ids(num_target_layers: int, num_target_features: int) -> list[int]:
@@ -623,11 +657,13 @@ class DFlashConfig(PreTrainedConfig):
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs) -> "DFlashConfig":
         """`PreTrainedConfig.from_dict` (what `from_pretrained` and `AutoConfig` call) that refuses a
-        Hub-format dict without `mask_token_id`/`target_layer_ids` and translates the official layout."""
+        Hub-format dict with an unknown key or without `mask_token_id`/`target_layer_ids`, and translates the
+        official layout."""
         if config_dict.get("model_type") == "qwen3" and "dflash_config" in config_dict:
             carried = {key: config_dict[key] for key in ("dtype", "torch_dtype") if key in config_dict}
             config_dict = {**carried, **dflash_kwargs_from_official(config_dict)}
         else:
+            check_known_keys(config_dict)
             check_checkpoint_fields({**config_dict, **{k: v for k, v in kwargs.items() if v is not None}})
         return super().from_dict(config_dict, **kwargs)
 
@@ -688,6 +724,7 @@ class DFlashConfig(PreTrainedConfig):
 __all__ = [
     "DFlashConfig",
     "check_checkpoint_fields",
+    "check_known_keys",
     "choose_mask_token_id",
     "default_target_layer_ids",
     "dflash_kwargs_from_official",

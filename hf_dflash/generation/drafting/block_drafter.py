@@ -13,11 +13,10 @@ from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
-from transformers.cache_utils import DynamicCache
 
 from ...caches import compact_cache, needs_compaction
 from ...modeling_dflash import DFlashDraftModel
-from ...modeling_dflash.custom_generate import drafter_pass
+from ...modeling_dflash.custom_generate import drafter_cache, drafter_pass
 from ..verifying.acceptance_rules import greedy_tokens, process_draft_rows
 from .selector import selector_drafts
 
@@ -52,7 +51,7 @@ class BlockDrafter:
         self.drafter = drafter
         self.embedding = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
-        self.cache = DynamicCache(config=drafter.config)
+        self.cache = drafter_cache(drafter.config)  # sliding-window layers roll the block back
         self.mask: torch.Tensor | None = None  # (B, T) validity of the cached context slots
         self.pending: torch.Tensor | None = None  # (B, C, n*Ht) target features not read yet
         self.pending_mask: torch.Tensor | None = None  # (B, C) their validity

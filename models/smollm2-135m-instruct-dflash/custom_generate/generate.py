@@ -23,8 +23,8 @@ file hands it a decoding method (`custom_generate` accepts a callable) that runs
 Greedy output is token-identical to plain greedy decoding (in fp32). Batch size 1; options this loop does
 not serve (beam search, several prompts, attentions or hidden states in the output, ...) raise a ValueError.
 The hf-dflash package runs a fuller loop (batches, trees, hybrid drafting) for `assistant_model=drafter`;
-the package imports `drafter_pass`, `accepted_lengths` and `speculative_sample` from this file, so both run
-one drafter pass and share the acceptance rules.
+the package imports `drafter_cache`, `drafter_pass`, `accepted_lengths` and `speculative_sample` from this file,
+so both run one drafter pass on one kind of cache and share the acceptance rules.
 """
 
 import copy
@@ -83,6 +83,15 @@ def speculative_sample(
     residual = residual / total if total > 0 else target_probs[0, n]
     correction = torch.multinomial(residual, 1, generator=generator)
     return torch.cat([draft_tokens[0, :n], correction])[None]
+
+
+def drafter_cache(config) -> DynamicCache:
+    """The drafter's context cache for a drafter `config`: a `DynamicCache` whose sliding-window layers record
+    past states. Every pass appends its block and `drafter_pass` crops it again; Transformers (5.23-5.25) crops a
+    sliding layer that has reached its window only when it records the past, as the target's cache does."""
+    cache = DynamicCache(config=config)
+    cache.activate_past_recording()
+    return cache
 
 
 def drafter_pass(
@@ -324,7 +333,7 @@ def dflash_decoding(
     config = drafter.config
     layer_ids, block_size = list(config.target_layer_ids), config.block_size
     embedding, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
-    drafter_cache = DynamicCache(config=config)
+    drafter_state = drafter_cache(config)
     do_sample, max_length = bool(generation_config.do_sample), generation_config.max_length
     want_dict = generation_config.return_dict_in_generate
     scores = () if want_dict and generation_config.output_scores else None
@@ -361,7 +370,7 @@ def dflash_decoding(
             drafts, draft_probs = sequence[:, :0], None
             continue
         positions = torch.arange(drafter_seen, sequence.shape[1] - 1 + block_size, device=sequence.device)[None]
-        hidden = drafter_pass(drafter, embedding, drafter_cache, sequence[:, -1], context, positions, block_size)
+        hidden = drafter_pass(drafter, embedding, drafter_state, sequence[:, -1], context, positions, block_size)
         drafter_seen = sequence.shape[1] - 1
         drafts, draft_probs = draft(drafter, lm_head, hidden[:, :num_drafts], sequence, logits_processor, do_sample)
 
