@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel
+from transformers import LogitsProcessorList, PreTrainedModel
+from transformers.generation.logits_process import TemperatureLogitsWarper
 
 from ...caches import compact_cache, needs_compaction
 from ...modeling_dflash import DFlashDraftModel
@@ -44,6 +45,30 @@ def probability_of(scores: torch.Tensor, chosen: torch.LongTensor, normalised: b
     return distributions.gather(-1, chosen[..., None])[..., 0]
 
 
+def draft_temperature(drafter: DFlashDraftModel) -> float | None:
+    """`drafter.draft_temperature`: None (default) drafts at the call's own temperature; T' >= 0 drafts from the
+    drafter's distribution at T' instead (0: its argmax), when `generate` samples. Any draft distribution keeps the
+    output the target's (rejection sampling divides by the q the drafts came from); acceptance is sum min(p, q), so
+    a drafter less sure than the target drafts better cooler. Greedy decoding ignores it."""
+    value = getattr(drafter, "draft_temperature", None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0 or value == float("inf"):
+        raise ValueError(
+            f"drafter.draft_temperature={value!r}: None (the call's temperature) or a finite number >= 0 (0: argmax)."
+        )
+    return float(value)
+
+
+def at_temperature(logits_processor, temperature: float) -> LogitsProcessorList:
+    """The call's logits processors with its temperature warper at `temperature` (one is added first when it has
+    none), the other warpers (top-k, top-p, ...) kept in their order."""
+    warper = TemperatureLogitsWarper(temperature)
+    processors = list(logits_processor or ())
+    replaced = [warper if isinstance(p, TemperatureLogitsWarper) else p for p in processors]
+    return LogitsProcessorList(replaced if replaced != processors else [warper, *processors])
+
+
 class BlockDrafter:
     """Drafts `[bonus, MASK x (k - 1)]` blocks for B rows in one drafter pass per round."""
 
@@ -52,6 +77,7 @@ class BlockDrafter:
         self.embedding = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         self.cache = drafter_cache(drafter.config)  # sliding-window layers roll the block back
+        self.draft_temperature = draft_temperature(drafter)
         self.mask: torch.Tensor | None = None  # (B, T) validity of the cached context slots
         self.pending: torch.Tensor | None = None  # (B, C, n*Ht) target features not read yet
         self.pending_mask: torch.Tensor | None = None  # (B, C) their validity
@@ -110,6 +136,10 @@ class BlockDrafter:
         (`Drafts.probabilities`).
         """
         selector = self.drafter.candidate_selector
+        if do_sample and self.draft_temperature is not None:
+            if self.draft_temperature == 0:  # deterministic drafts: q is one-hot, accepted with p(draft)
+                return self.argmax_drafts(hidden, logits_processor, batch_size, rows, prefixes, anchors, confidence)
+            logits_processor = at_temperature(logits_processor, self.draft_temperature)
         if not do_sample and not logits_processor:
             if selector is None and not confidence:
                 return Drafts(self.drafter.greedy_draft_tokens(hidden, self.lm_head))
@@ -128,6 +158,17 @@ class BlockDrafter:
         if confidence:  # scores: the distributions drawn from (sampling), else logits / selector scores
             drafts.probabilities = probability_of(drafts.scores, drafts.tokens, normalised=do_sample)
         return drafts
+
+    def argmax_drafts(self, hidden, logits_processor, batch_size: int, rows, prefixes, anchors, confidence: bool):
+        """Sampling with `draft_temperature` 0: the greedy drafts of the processed logits (a DFlash2 drafter: its
+        selector's greedy walk), with one-hot draft distributions (B, d, V); `confidence`: the drafter's own
+        probability of each draft."""
+        drafts = self.processed_drafts(hidden, False, logits_processor, batch_size, rows, prefixes, anchors)
+        probabilities = probability_of(drafts.scores, drafts.tokens) if confidence else None
+        one_hot = torch.zeros(drafts.scores.shape, device=drafts.tokens.device).scatter_(
+            -1, drafts.tokens[..., None], 1.0
+        )
+        return Drafts(drafts.tokens, one_hot, probabilities)
 
     def processed_drafts(self, hidden, do_sample: bool, logits_processor, batch_size: int, rows, prefixes, anchors):
         """`draft` from the full-vocabulary draft logits, processed with each row's prefix."""
