@@ -411,7 +411,7 @@ def _run_bench(args: argparse.Namespace) -> int:
             **_same_named(
                 args,
                 "target drafter prompts num_prompts max_new_tokens dtype temperature seed out methods device "
-                "block_size_policy",
+                "block_size_policy draft_temperature",
             ),
         )
     return 0
@@ -469,6 +469,10 @@ def register_bench(subparsers) -> None:
         help="our DFlash method's block length per round: 'recommended' (default: the drafter config's "
         "block_size_policy, else its block size), 'trained' (its block size), 'adaptive', 'confidence' (the "
         "whole block drafted, its likely prefix verified), or a fixed k",
+    )  # fmt: skip
+    parser.add_argument(
+        "--draft-temperature", type=_non_negative_float, default=None,
+        help="with --temperature > 0: the temperature our DFlash drafter drafts at (0: its argmax; default: the call's)",
     )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 

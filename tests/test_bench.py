@@ -188,9 +188,12 @@ def test_plots_exist(greedy):
 
 
 def test_sampling_mode_reports_tau_and_speedup_without_identity(folders, tmp_path):
-    methods = ["--methods", "plain,dflash,builtin"]
-    report = bench(folders, tmp_path, "--temperature", "0.8", *methods, "--drafter", "random")
+    methods = ["--methods", "plain,dflash,builtin,tree,hybrid"]
+    report = bench(
+        folders, tmp_path, "--temperature", "0.8", "--draft-temperature", "0", *methods, "--drafter", "random"
+    )
     assert "RANDOM" in report["settings"]["drafter"] and report["settings"]["temperature"] == 0.8
+    assert report["settings"]["draft_temperature"] == 0.0
     for method, stats in report["overall"]["methods"].items():
         assert stats["identical"] is None and stats["speedup"] > 0
         assert (stats["tau"] is None) == (method == "plain")

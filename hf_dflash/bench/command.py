@@ -53,6 +53,7 @@ def load_run_models(options: dict, block_size_policy: str):
         alt_target = load_bench_target(target, alt_dtype)[0].to(models.target.device)
         dtypes["plain-alt"] = dtype_name(alt_dtype)
     models.drafter.block_size_policy = parse_block_size_policy(block_size_policy, models.drafter.config.block_size)
+    models.drafter.draft_temperature = options.get("draft_temperature")
     return models, alt_target, dtypes
 
 
@@ -83,6 +84,8 @@ def report_settings(
         "device": options["device"],
         "max_new_tokens": options["max_new_tokens"],
         "temperature": temperature,
+        # under sampling, the temperature our DFlash drafter drafts at (None: the call's; 0: its argmax)
+        "draft_temperature": options.get("draft_temperature"),
         "seed": options["seed"],
         "num_prompts": options["num_prompts"],
         "prompts_run": prompts_run,  # {set: [run, of]}
@@ -118,6 +121,7 @@ def run_bench(
     methods: Sequence[str] = METHODS,
     device: str | None = None,
     block_size_policy: str = "recommended",
+    draft_temperature: float | None = None,
     progress: bool = True,
 ) -> dict:
     """Benchmark `methods` with `target` + `drafter` on the sets and/or prompts file; write `out/bench.json`,
@@ -140,6 +144,8 @@ def run_bench(
     }
     if block_size_policy != "recommended":
         options["block_size_policy"] = block_size_policy  # the default stays out of the command line
+    if draft_temperature is not None:
+        options["draft_temperature"] = draft_temperature
     check_methods(methods)
     check_output_folder(out)  # before the benchmark, not after it (its results were lost to a FileExistsError)
     if max_new_tokens < 1:
