@@ -2,6 +2,16 @@
 
 Self-contained (imports only `transformers`): this file is copied verbatim into Hub repositories as
 remote code, next to `modeling_dflash.py`.
+
+Why the official-layout parsing (`dflash_kwargs_from_official` and its `_official_*` helpers) lives here and not
+in a file of its own: Transformers' remote-code loading (5.23-5.25, `dynamic_module_utils`) does follow
+`from .name import ...` to sibling files of the repo folder (it fetches them, and `save_pretrained` copies them;
+`modeling_dflash.py` imports this file that way), so one file is not forced. But the split is not clean:
+`DFlashConfig.from_dict` translates official config dicts (a Hub repo's config.json in that layout still loads
+through this class), and the parser reads the fields the class checks too (the required checkpoint fields, the
+DFlash2 fields, the neutral transforms, the RoPE reader). A separate file would import back from this one (a
+cycle) or take the class's own fields with it, and every shipped folder (the exporter's, the official saver's,
+`models/*/`, the card's file list) would carry a third remote-code file for about 250 lines.
 """
 
 import difflib

@@ -21,8 +21,8 @@ pays is weighed with the drafted rounds' modelled prices scaled by how long they
 step's time once one was timed (as the adaptive block size's `calibrated_seconds`). A cost model timed while something
 else ran would otherwise keep a call from drafting, or drafting where it loses. (Scaling every drafted round alike
 leaves the prefix choice itself as modelled: on a quiet machine the model prices each kind of round within a few per
-cent, compiled rounds ~15% under their eager prices but alike, docs/results.md, "Does the cost model price the rounds
-the loop runs?")
+cent, compiled rounds ~15% under their eager prices but alike, docs/results-history.md, "Does the cost model price
+the rounds the loop runs?")
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ COST_MODEL_FORMAT = 2  # 2: rounds timed with the served drafter pass; verificat
 # verifies after the prompt and the answer so far, and a tree's attention grows with nodes x context:
 # timed after 64 tokens, 48-node trees looked as cheap as 24-node ones and "auto" chose them, where served
 # they cost 1.5x an 8-node pass; after 256, "auto" matched the best fixed size
-# (benchmarks/generation/tree_budget.py, docs/results.md "Draft-tree budget").
+# (benchmarks/generation/tree_budget.py, docs/results-history.md "Draft-tree budget").
 VERIFICATION_CONTEXT = 256
 
 

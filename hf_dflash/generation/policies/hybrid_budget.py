@@ -61,7 +61,7 @@ class BranchEstimate:
     alike. (Each copy slot shrinking toward the optimistic prior on its own, as before, assumed that a copy
     once right stays right: on prompts with few good matches its deep slots, hardly ever reached, kept
     estimates near 1, and 10 n-gram drafts were predicted to add 3.7 tokens a round where they added 0.29:
-    docs/results.md, "Hybrid budget: copy slots estimated like the block's".)"""
+    docs/results-history.md, "Hybrid budget: copy slots estimated like the block's".)"""
 
     slots: int
     settings: AdaptiveBlockSize

@@ -37,7 +37,7 @@ TREE_ATTRIBUTE = "draft_tree"  # the drafter attribute `generate` reads
 COMPILED_SIZE_ATTRIBUTE = "compiled_draft_tree"
 AUTO_MAX_NODES = 64  # the largest tree "auto" considers
 # The largest tree any setting verifies: its forward reads every node and its mask has nodes x (context + nodes)
-# entries; trees past ~64 nodes already cost more than they win on the machines measured (docs/results.md).
+# entries; trees past ~64 nodes already cost more than they win on the machines measured (docs/results-history.md).
 MAX_TREE_NODES = 512
 DEFAULT_TOP_K = 16  # candidates per slot (DFlash2: the target's token is in the drafter's top-16 99.5% of the time)
 

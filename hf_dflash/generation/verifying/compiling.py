@@ -42,7 +42,7 @@ def choose_compile(setting: str, device: torch.device | str) -> tuple[bool, str]
     `auto` follows Transformers' own default: compiled on accelerators (CUDA graphs remove the launch and
     Python overhead of a round's small kernels), eager on CPU, where each static cache length first costs
     30-48 s of compile (2-core Zen 4/5, Xeon with AMX) that a short run never repays (rounds run their linear layers
-    packed where that pays, eager or compiled). Measured (docs/results.md): Zen 5 fp32,
+    packed where that pays, eager or compiled). Measured (docs/results-history.md): Zen 5 fp32,
     eager DFlash 1.43x the fastest plain, compiled 1.00x; Zen 4 bf16, compiled worth 1.14x over long runs; Xeon
     AMX bf16, compiled rounds 1.06-1.26x faster than eager but 45 s of compile, repaid after ~4,000 tokens. A new
     process over torch's warm on-disk cache still compiles 8 s per shape (Xeon AMX, plain decoding 1.15x faster
