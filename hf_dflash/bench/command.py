@@ -107,6 +107,15 @@ def room_for_every_graph(limit: int = 64):
     return torch._dynamo.config.patch(recompile_limit=max(limit, torch._dynamo.config.recompile_limit))
 
 
+def check_run(methods: Sequence[str], out: str | Path, max_new_tokens: int) -> None:
+    """ValueError naming an unknown method, an output folder that holds results, or a length below 1: before
+    the benchmark, not after it (its results were once lost to a FileExistsError)."""
+    check_methods(methods)
+    check_output_folder(out)
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.")
+
+
 def run_bench(
     target: str,
     drafter: str,
@@ -146,10 +155,7 @@ def run_bench(
         options["block_size_policy"] = block_size_policy  # the default stays out of the command line
     if draft_temperature is not None:
         options["draft_temperature"] = draft_temperature
-    check_methods(methods)
-    check_output_folder(out)  # before the benchmark, not after it (its results were lost to a FileExistsError)
-    if max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.")
+    check_run(methods, out, max_new_tokens)
     prompt_sets, pool_sizes = select_prompt_sets(sets, prompts, num_prompts, seed)
     prompts_run = {name: [len(records), pool_sizes[name]] for name, records in prompt_sets.items()}
     # One writer per folder, and the lock file is the write probe: a second bench into OUT, or an OUT that
