@@ -140,7 +140,7 @@ def test_sampling_with_a_pruned_vocabulary_preserves_the_target_distribution():
 def test_checkpoints_carry_the_draft_vocabulary(tmp_path, fmt):
     target = make_target("llama")
     drafter = pruned_drafter(target)
-    (save_hub if fmt == "hub" else save_official)(drafter, tmp_path / fmt)
+    save_hub(drafter, tmp_path / fmt) if fmt == "hub" else save_official(drafter, tmp_path / fmt, target_lm_head=target)
     config = json.loads((tmp_path / fmt / "config.json").read_text())
     assert config["draft_vocab_size"] == len(SUBSET)
     loaded = load_drafter(tmp_path / fmt)
@@ -153,8 +153,9 @@ def test_checkpoints_carry_the_draft_vocabulary(tmp_path, fmt):
 def test_a_corrupt_draft_vocabulary_is_refused_on_load(tmp_path, fmt):
     from safetensors.torch import load_file, save_file
 
-    drafter = pruned_drafter(make_target("llama"))
-    (save_hub if fmt == "hub" else save_official)(drafter, tmp_path / fmt)
+    target = make_target("llama")
+    drafter = pruned_drafter(target)
+    save_hub(drafter, tmp_path / fmt) if fmt == "hub" else save_official(drafter, tmp_path / fmt, target_lm_head=target)
     weights = tmp_path / fmt / "model.safetensors"
     state = load_file(weights)
     state["d2t"][-1] = VOCAB  # the last id now points past the target vocabulary

@@ -32,7 +32,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
-from .configuration_dflash import DFlashConfig
+from .configuration_dflash import DRAFT_HEAD_FIELD, DRAFT_HEAD_TARGET_ROWS, DFlashConfig
 
 
 def apply_rope(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -549,6 +549,15 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         wants_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         problems = {k: sorted(info.get(k) or []) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+        draft_head = model.config.__dict__.pop(DRAFT_HEAD_FIELD, None)  # an official config's mark, not a setting
+        if "lm_head.weight" in problems["unexpected_keys"] and model.config.draft_vocab_size is not None:
+            if draft_head != DRAFT_HEAD_TARGET_ROWS:
+                raise ValueError(
+                    f"DFlash checkpoint {args[0] if args else ''} holds lm_head.weight without "
+                    f'{DRAFT_HEAD_FIELD}: "{DRAFT_HEAD_TARGET_ROWS}" in its config: a draft head of its own, while '
+                    "this drafter drafts with the target head's rows at its draft ids."
+                )
+            problems["unexpected_keys"].remove("lm_head.weight")  # the target's rows: the target lends them
         problems = {k: v for k, v in problems.items() if v}
         if problems:
             raise ValueError(
