@@ -86,8 +86,8 @@ def _device(text: str) -> str:
 
 
 TARGET_HEAD_HELP = (
-    "a known target or a local model folder: an official copy of a drafter with a pruned draft vocabulary holds "
-    "that target's LM-head rows (vLLM's DFlash head); loaded only for such a drafter"
+    "a known target, a local model folder or a Hub id: an official copy of a drafter with a pruned draft "
+    "vocabulary holds that target's LM-head rows (vLLM's DFlash head); loaded only for such a drafter"
 )
 
 

@@ -10,18 +10,10 @@ import json
 import pytest
 import torch
 
-from hf_dflash import DFlashConfig, DFlashDraftModel
+from hf_dflash import DFlashConfig
 from hf_dflash.checkpoints import load_drafter, load_official, save_hub, save_official
-from tests.conftest import ARCHITECTURES, VOCAB, OracleDrafter, make_drafter, make_target
+from tests.conftest import ARCHITECTURES, SUBSET, VOCAB, OracleDrafter, make_drafter, make_target, pruned_drafter
 from tests.helpers.generation import check_sampled_second_token
-
-SUBSET = sorted({(7 * i + 3) % VOCAB for i in range(48)} | {2})  # 48 ids incl. EOS
-
-
-def pruned_drafter(target, ids=SUBSET, **kwargs) -> DFlashDraftModel:
-    drafter = make_drafter(target, draft_vocab_size=len(ids), **kwargs)
-    drafter.set_draft_vocab(ids)
-    return drafter
 
 
 def test_logits_are_the_full_heads_rows_and_minus_inf_elsewhere():

@@ -19,8 +19,7 @@ from transformers import AutoModel
 from hf_dflash.checkpoints import convert, load_drafter, save_hub, save_official
 from hf_dflash.checkpoints.official import DRAFT_HEAD_FIELD, DRAFT_HEAD_TARGET_ROWS
 from hf_dflash.cli import main
-from tests.conftest import VOCAB, make_target
-from tests.test_draft_vocab import SUBSET, pruned_drafter
+from tests.conftest import SUBSET, VOCAB, make_target, pruned_drafter
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +118,16 @@ def test_convert_and_export_take_the_target(pair, tmp_path, capsys):
     exported = load_file(str(tmp_path / "repo" / "official" / "model.safetensors"))["lm_head.weight"]
     assert torch.equal(exported, target.lm_head.weight[SUBSET])
     assert "lm_head.weight" not in load_file(str(tmp_path / "repo" / "model.safetensors"))  # Hub-native: no copy
+
+
+def test_a_known_targets_hub_id_loads_that_target_in_fp32(pair, monkeypatch):
+    """The card's convert command names the target by its Hub id: a known target's id loads the packaged target."""
+    import hf_dflash.targets as targets
+    from hf_dflash.checkpoints.converting import official_head_source
+
+    target, drafter = pair
+    calls = []
+    monkeypatch.setattr(targets, "load_any_target", lambda name, dtype: calls.append((name, dtype)) or (target, None))
+    assert official_head_source(drafter, "HuggingFaceTB/SmolLM2-135M-Instruct") is target
+    assert calls == [("smollm2-135m-instruct", torch.float32)]
+    assert official_head_source(drafter, target) is target and len(calls) == 1

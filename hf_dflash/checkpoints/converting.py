@@ -20,15 +20,21 @@ FORMATS = ("official", "hub")  # the formats written (speculators is load-only)
 
 def official_head_source(model, target):
     """What `save_official(model, ..., target_lm_head=)` needs: None without a draft vocabulary (the target is not
-    loaded then); else `target` itself, or for a known target's name or a local model folder that target, loaded in
-    fp32 (exact for a bf16 or fp32 checkpoint; the written weights are cast afterwards)."""
+    loaded then); else `target` itself, or for a known target's name or Hub id, a local model folder or another
+    Hub id, that target loaded in fp32 (exact for a bf16 or fp32 checkpoint; the written weights are cast after)."""
     if model.config.draft_vocab_size is None or target is None:
         return None
-    if isinstance(target, (str, os.PathLike)):
-        from ..targets import load_any_target
+    if not isinstance(target, (str, os.PathLike)):
+        return target
+    from ..targets import KNOWN_TARGETS, load_any_target
 
-        return load_any_target(str(target), dtype=torch.float32)[0]
-    return target
+    name = str(target)
+    name = next((known for known, spec in KNOWN_TARGETS.items() if spec.hub_id == name), name)
+    if name in KNOWN_TARGETS or Path(name).is_dir():
+        return load_any_target(name, dtype=torch.float32)[0]
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)  # a Hub id
 
 
 def check_destination(src: str | os.PathLike, dst: Path, overwrite: bool) -> None:
