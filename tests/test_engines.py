@@ -116,3 +116,16 @@ def test_vllm_serves_the_v5_export_losslessly_with_our_acceptance(real_target, r
     assert dflash["outputs"] == plain["outputs"]
     assert dflash["num_accepted_tokens"] > 0
     assert abs(engine_tau - tau) <= 0.1 * tau, (engine_tau, tau)
+
+
+def test_the_shipped_dflash2_drafter_has_no_engine_layout_and_says_why(real_target, tmp_path):
+    """v6 (models/, DFlash2 with an 8,192-id draft vocabulary): vLLM 0.32's DFlash2 takes the selector's candidates
+    over the target's whole head and runs only in its GPU model runner, SGLang has no DFlash2: no export is made, and
+    the refusal names why (docs/serving.md)."""
+    from hf_dflash.targets import shipped_drafter
+
+    drafter = load_drafter(shipped_drafter("smollm2-135m-instruct"))
+    assert drafter.config.is_dflash2 and drafter.config.draft_vocab_size == 8192
+    with pytest.raises(ValueError, match="DFlash2 readers .* rank the whole vocabulary"):
+        convert(shipped_drafter("smollm2-135m-instruct"), tmp_path / "v6", to="official", target=real_target[0])
+    assert not (tmp_path / "v6").exists()

@@ -364,6 +364,21 @@ def head_product(head: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     return logits.view(*hidden_states.shape[:-1], logits.shape[-1])
 
 
+def allow_target_head_rows(unexpected_keys: list[str], config: DFlashConfig, source) -> None:
+    """An official folder of a pruned-vocabulary drafter holds `lm_head.weight` (draft_vocab_size, H), the target
+    head's rows that vLLM loads; the drafter borrows them from the target, so the key is dropped from
+    `unexpected_keys`, but only where the config marks it so (its mark is taken off the config here)."""
+    draft_head = config.__dict__.pop(DRAFT_HEAD_FIELD, None)  # an official config's mark, not a setting
+    if "lm_head.weight" not in unexpected_keys or config.draft_vocab_size is None:
+        return
+    if draft_head != DRAFT_HEAD_TARGET_ROWS:
+        raise ValueError(
+            f'DFlash checkpoint {source} holds lm_head.weight without {DRAFT_HEAD_FIELD}: "{DRAFT_HEAD_TARGET_ROWS}" '
+            "in its config: a draft head of its own, while this drafter drafts with the target head's rows."
+        )
+    unexpected_keys.remove("lm_head.weight")
+
+
 class DFlashDraftModel(DFlashPreTrainedModel):
     """DFlash drafter: fused target context injected as extra keys/values into every layer."""
 
@@ -549,15 +564,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         wants_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         problems = {k: sorted(info.get(k) or []) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-        draft_head = model.config.__dict__.pop(DRAFT_HEAD_FIELD, None)  # an official config's mark, not a setting
-        if "lm_head.weight" in problems["unexpected_keys"] and model.config.draft_vocab_size is not None:
-            if draft_head != DRAFT_HEAD_TARGET_ROWS:
-                raise ValueError(
-                    f"DFlash checkpoint {args[0] if args else ''} holds lm_head.weight without "
-                    f'{DRAFT_HEAD_FIELD}: "{DRAFT_HEAD_TARGET_ROWS}" in its config: a draft head of its own, while '
-                    "this drafter drafts with the target head's rows at its draft ids."
-                )
-            problems["unexpected_keys"].remove("lm_head.weight")  # the target's rows: the target lends them
+        allow_target_head_rows(problems["unexpected_keys"], model.config, args[0] if args else "")
         problems = {k: v for k, v in problems.items() if v}
         if problems:
             raise ValueError(
