@@ -114,6 +114,8 @@ def test_convert_and_export_take_the_target(pair, tmp_path, capsys):
     assert torch.equal(written, target.lm_head.weight[SUBSET])
     assert convert(hub, tmp_path / "api", to="official", target=target) == tmp_path / "api"
     argv = ["export", str(hub), str(tmp_path / "repo"), "--target-id", "me/tiny", "--official"]
+    assert main(argv) == 2 and "--target" in capsys.readouterr().err
+    assert not any(p.suffix in (".json", ".safetensors", ".md") for p in (tmp_path / "repo").rglob("*"))
     assert main([*argv, "--target", str(target_dir)]) == 0
     exported = load_file(str(tmp_path / "repo" / "official" / "model.safetensors"))["lm_head.weight"]
     assert torch.equal(exported, target.lm_head.weight[SUBSET])
