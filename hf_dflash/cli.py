@@ -85,6 +85,12 @@ def _device(text: str) -> str:
     return text
 
 
+TARGET_HEAD_HELP = (
+    "a known target, a local model folder or a Hub id: an official copy of a drafter with a pruned draft "
+    "vocabulary holds that target's LM-head rows (vLLM's DFlash head); loaded only for such a drafter"
+)
+
+
 def _run_convert(args: argparse.Namespace) -> int:
     """convert a drafter checkpoint between the Hub-native and official (vLLM/SGLang) formats
 
@@ -96,7 +102,7 @@ def _run_convert(args: argparse.Namespace) -> int:
 
     out = convert(
         args.src, args.dst, to=args.to, dtype=args.dtype, overwrite=args.overwrite,
-        num_target_layers=args.num_target_layers,
+        num_target_layers=args.num_target_layers, target=args.target,
     )  # fmt: skip
     print(f"Wrote {args.to} DFlash checkpoint to {out}" + (" (replaced the whole folder)" if args.overwrite else ""))
     return 0
@@ -115,6 +121,7 @@ def register_convert(subparsers) -> None:
         "--num-target-layers", type=int, default=None,
         help="the target's decoder layers, for a vLLM speculators source (it does not record them)",
     )  # fmt: skip
+    parser.add_argument("--target", default=None, help=TARGET_HEAD_HELP)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -342,6 +349,7 @@ def _run_export(args: argparse.Namespace) -> int:
         license=args.license,
         dtype=args.dtype,
         repo_id=args.repo_id,
+        target=args.target,
     )
     print(f"Wrote the Hub repository folder to {out}; publish it with: hf-dflash push {out} --repo-id ORG/NAME")
     return 0
@@ -363,6 +371,7 @@ def register_export(subparsers) -> None:
     )
     parser.add_argument("--official", action="store_true", help="also write official/ for vLLM / SGLang")
     parser.add_argument("--dtype", default=None, help="cast the weights, e.g. bfloat16 (default: keep)")
+    parser.add_argument("--target", default=None, help=TARGET_HEAD_HELP)
     parser.add_argument("--license", default="apache-2.0", help="card license (default: %(default)s)")
 
 

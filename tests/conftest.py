@@ -57,6 +57,16 @@ def make_drafter(target, block_size: int = 4, seed: int = 1, num_hidden_layers: 
     return DFlashDraftModel(config).eval()
 
 
+SUBSET = sorted({(7 * i + 3) % VOCAB for i in range(48)} | {2})  # a pruned draft vocabulary: 48 ids incl. EOS
+
+
+def pruned_drafter(target, ids=SUBSET, **kwargs) -> DFlashDraftModel:
+    """`make_drafter` with a pruned draft vocabulary of these ids."""
+    drafter = make_drafter(target, draft_vocab_size=len(ids), **kwargs)
+    drafter.set_draft_vocab(ids)
+    return drafter
+
+
 class OracleDrafter(DFlashDraftModel):
     """A drafter that always proposes the target's greedy continuation (known in advance).
 
@@ -174,3 +184,17 @@ def real_target(real_cache_dir):
     if _importlib_util.find_spec(spec.package) is None:
         pytest.fail(f"real target package missing: {spec.install_hint} (make test installs it)")
     return load_target("smollm2-135m-instruct", dtype=torch.float32, cache_dir=real_cache_dir)
+
+
+# --- serving engines (tests/test_engines.py) ---
+# They run vLLM's CPU build from its own virtualenv, which `make test-engines` installs and names in
+# $HF_DFLASH_ENGINES_PYTHON; everywhere else (`make test` included) they are skipped, saying how to run them.
+
+
+def pytest_collection_modifyitems(config, items):
+    if _os.environ.get("HF_DFLASH_ENGINES_PYTHON"):
+        return
+    skip = pytest.mark.skip(reason="serving-engine oracle (vLLM's CPU build in its own virtualenv): make test-engines")
+    for item in items:
+        if "engines" in item.keywords:
+            item.add_marker(skip)

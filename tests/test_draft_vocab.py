@@ -10,18 +10,10 @@ import json
 import pytest
 import torch
 
-from hf_dflash import DFlashConfig, DFlashDraftModel
+from hf_dflash import DFlashConfig
 from hf_dflash.checkpoints import load_drafter, load_official, save_hub, save_official
-from tests.conftest import ARCHITECTURES, VOCAB, OracleDrafter, make_drafter, make_target
+from tests.conftest import ARCHITECTURES, SUBSET, VOCAB, OracleDrafter, make_drafter, make_target, pruned_drafter
 from tests.helpers.generation import check_sampled_second_token
-
-SUBSET = sorted({(7 * i + 3) % VOCAB for i in range(48)} | {2})  # 48 ids incl. EOS
-
-
-def pruned_drafter(target, ids=SUBSET, **kwargs) -> DFlashDraftModel:
-    drafter = make_drafter(target, draft_vocab_size=len(ids), **kwargs)
-    drafter.set_draft_vocab(ids)
-    return drafter
 
 
 def test_logits_are_the_full_heads_rows_and_minus_inf_elsewhere():
@@ -140,7 +132,7 @@ def test_sampling_with_a_pruned_vocabulary_preserves_the_target_distribution():
 def test_checkpoints_carry_the_draft_vocabulary(tmp_path, fmt):
     target = make_target("llama")
     drafter = pruned_drafter(target)
-    (save_hub if fmt == "hub" else save_official)(drafter, tmp_path / fmt)
+    save_hub(drafter, tmp_path / fmt) if fmt == "hub" else save_official(drafter, tmp_path / fmt, target_lm_head=target)
     config = json.loads((tmp_path / fmt / "config.json").read_text())
     assert config["draft_vocab_size"] == len(SUBSET)
     loaded = load_drafter(tmp_path / fmt)
@@ -153,8 +145,9 @@ def test_checkpoints_carry_the_draft_vocabulary(tmp_path, fmt):
 def test_a_corrupt_draft_vocabulary_is_refused_on_load(tmp_path, fmt):
     from safetensors.torch import load_file, save_file
 
-    drafter = pruned_drafter(make_target("llama"))
-    (save_hub if fmt == "hub" else save_official)(drafter, tmp_path / fmt)
+    target = make_target("llama")
+    drafter = pruned_drafter(target)
+    save_hub(drafter, tmp_path / fmt) if fmt == "hub" else save_official(drafter, tmp_path / fmt, target_lm_head=target)
     weights = tmp_path / fmt / "model.safetensors"
     state = load_file(weights)
     state["d2t"][-1] = VOCAB  # the last id now points past the target vocabulary

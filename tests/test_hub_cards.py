@@ -388,6 +388,22 @@ def test_a_dflash2_card_names_its_convolutions_and_selector():
     assert re.search(r"\| DFlash2 \| two-tap grouped convolutions \(kernel 2, groups of 8\).*rank 6.*top-3", text), text
 
 
+def test_the_card_names_the_engine_command_each_drafter_kind_has():
+    """A pruned DFlash drafter's convert command names its target (the official copy holds that head's rows); a
+    pruned DFlash2 drafter has no engine layout (save_official refuses it), which its card says instead."""
+    from hf_dflash.trainer.upgrade import dflash2_from_dflash
+
+    target = make_target("llama")
+    text = render_model_card(make_drafter(target).config, TARGET_ID).text
+    assert "--to official\n" in text and "--target" not in text
+    pruned = make_drafter(target, draft_vocab_size=16)
+    text = render_model_card(pruned.config, TARGET_ID).text
+    assert f"--to official --target {TARGET_ID}\n" in text and '"method": "dflash"' in text
+    pruned2 = dflash2_from_dflash(pruned, conv_kernel_size=2, conv_group_size=8, selector_rank=6, selector_top_k=3)
+    text = render_model_card(pruned2.config, TARGET_ID).text
+    assert "has no engine layout" in text and "hf-dflash convert" not in text and "vllm serve" not in text
+
+
 def test_template_is_package_data():
     assert resources.files("hf_dflash.hub_cards").joinpath("template.md").is_file()
     pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()  # (no tomllib on Python 3.10)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -15,6 +16,25 @@ from .loading import load_drafter
 from .official import save_official
 
 FORMATS = ("official", "hub")  # the formats written (speculators is load-only)
+
+
+def official_head_source(model, target):
+    """What `save_official(model, ..., target_lm_head=)` needs: None without a draft vocabulary (the target is not
+    loaded then); else `target` itself, or for a known target's name or Hub id, a local model folder or another
+    Hub id, that target loaded in fp32 (exact for a bf16 or fp32 checkpoint; the written weights are cast after)."""
+    if model.config.draft_vocab_size is None or target is None:
+        return None
+    if not isinstance(target, (str, os.PathLike)):
+        return target
+    from ..targets import KNOWN_TARGETS, load_any_target
+
+    name = str(target)
+    name = next((known for known, spec in KNOWN_TARGETS.items() if spec.hub_id == name), name)
+    if name in KNOWN_TARGETS or Path(name).is_dir():
+        return load_any_target(name, dtype=torch.float32)[0]
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)  # a Hub id
 
 
 def check_destination(src: str | os.PathLike, dst: Path, overwrite: bool) -> None:
@@ -40,12 +60,15 @@ def convert(
     dtype: str | torch.dtype | None = None,
     overwrite: bool = False,
     num_target_layers: int | None = None,
+    target=None,
 ) -> Path:
     """Convert a drafter checkpoint (any loadable format) to `to` = "official" or "hub" in `dst`.
 
     `dst` must be new or empty unless `overwrite`, which replaces the whole folder (the conversion is
     written beside it first, so a failure leaves the old folder as it was). `dtype` casts the written
-    weights (default: keep). `num_target_layers`: the target's depth, for speculators sources. Returns `dst`.
+    weights (default: keep). `num_target_layers`: the target's depth, for speculators sources. `target`: for
+    `to="official"` of a drafter with a pruned draft vocabulary, the target (a model, a known target's name or a
+    local model folder) whose LM-head rows the export holds (`save_official`). Returns `dst`.
     """
     if to not in FORMATS:
         raise ValueError(f"to={to!r} is not a checkpoint format; use one of {FORMATS}.")
@@ -55,7 +78,11 @@ def convert(
     with path_lock(destination, "convert", kind="folder"):
         check_destination(src, destination, overwrite)  # again: another conversion may have just finished
         model = load_drafter(src, num_target_layers=num_target_layers)
-        save = save_official if to == "official" else save_hub
+        if to == "official":
+            head = official_head_source(model, target)
+            save = partial(save_official, target_lm_head=head)
+        else:
+            save = save_hub
         if not (destination.is_dir() and any(destination.iterdir())):
             return save(model, destination, dtype=dtype)
         staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
@@ -68,4 +95,4 @@ def convert(
         return destination
 
 
-__all__ = ["FORMATS", "check_destination", "convert"]
+__all__ = ["FORMATS", "check_destination", "convert", "official_head_source"]

@@ -36,10 +36,11 @@ from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 from ..folder_lock import LOCK_NAME, folder_lock
 from ..hub_cards.card import REPO_ID_PLACEHOLDER, render_model_card
 from ..hub_cards.schemas import BENCHMARK_NAME, TRAINING_RECORD_NAME, load_benchmark, load_training_record
+from .converting import official_head_source
 from .files import CONFIG_NAME, as_dtype
 from .hub import save_hub
 from .loading import load_drafter
-from .official import save_official
+from .official import official_head, save_official
 
 OFFICIAL_SUBFOLDER = "official"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -66,6 +67,7 @@ def export_drafter(
     license: str = "apache-2.0",
     dtype: str | torch.dtype | None = None,
     repo_id: str | None = None,
+    target=None,
 ) -> Path:
     """Write a complete Hub repository folder for a drafter; returns `out_dir`.
 
@@ -80,6 +82,8 @@ def export_drafter(
         dtype: cast the written weights (e.g. "bfloat16"); default: keep the stored dtype.
         repo_id: the drafter's own Hub id for the usage snippets; when None, a placeholder that
             `push_folder` replaces with the id it pushes to.
+        target: with `official` and a drafter with a pruned draft vocabulary, the target (a model, a known
+            target's name or a local model folder) whose LM-head rows `official/` holds (`save_official`).
     """
     check_hub_id(target_id, "target_id")
     if repo_id is not None:
@@ -98,9 +102,12 @@ def export_drafter(
             )
         drafter = load_drafter(drafter_path)
         weights_dtype = weights_dtype or drafter.dtype
+        head = official_head_source(drafter, target) if official else None
+        if official:
+            official_head(drafter, head)  # a drafter without an official layout is refused before any file
         save_hub(drafter, out, dtype=weights_dtype, model_card=False)
         if official:
-            save_official(drafter, out / OFFICIAL_SUBFOLDER, dtype=weights_dtype)
+            save_official(drafter, out / OFFICIAL_SUBFOLDER, dtype=weights_dtype, target_lm_head=head)
         for name, data in ((BENCHMARK_NAME, benchmark), (TRAINING_RECORD_NAME, record)):
             if data is not None:
                 (out / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

@@ -211,6 +211,9 @@ def render_model_card(
         attention=attention_description(config),
         dflash2=dflash2_description(config),
         has_sliding_layers="sliding_attention" in config.layer_types,
+        draft_vocab_size=config.draft_vocab_size,
+        # DFlash2 with a pruned draft vocabulary has no official layout (save_official says why)
+        engine_layout=not (config.is_dflash2 and config.draft_vocab_size is not None),
         num_parameters=_count(num_parameters) if num_parameters is not None else "unknown",
         weights_dtype=weights_dtype,
         benchmark=_benchmark_context(bench) if bench is not None else None,

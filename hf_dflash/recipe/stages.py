@@ -286,6 +286,7 @@ def _run_export(run: RecipeRun) -> str:
         str(run.path("drafter")), run.path("export"), run.config["target_id"],
         benchmark_json=benchmark if benchmark.is_file() else None, training_record=record,
         official=section["official"], license=section["license"], dtype=section["dtype"], repo_id=section["repo_id"],
+        target=run.config["target"],  # an official copy of a pruned-vocabulary drafter holds its head rows (fp32)
     )  # fmt: skip
     return f"Hub repository folder {run.path('export')}"
 

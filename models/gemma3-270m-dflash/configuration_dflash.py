@@ -75,6 +75,12 @@ OFFICIAL_REQUIRED_FIELDS = (
 # every draft layer and a candidate selector over the top-K of each slot. All four are set, or none (DFlash).
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+# The official layout of a drafter with a pruned draft vocabulary holds `lm_head.weight` (draft_vocab_size, H): the
+# target head's rows at the draft ids, which vLLM's DFlash head loads (it maps its logits through `d2t`). The drafter
+# itself takes those rows from the target at run time, so a loader drops that weight, but only where the config marks
+# it as the target's rows (a head trained on its own would be dropped silently otherwise).
+DRAFT_HEAD_FIELD = "draft_lm_head"
+DRAFT_HEAD_TARGET_ROWS = "target_rows"
 # z-lab's embedding and logit transforms, at their no-op values: the block's embeddings are multiplied by
 # input_embedding_scale; the logits by output_multiplier, then soft-capped (cap * tanh(logits / cap)).
 NEUTRAL_TRANSFORMS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
@@ -670,7 +676,10 @@ class DFlashConfig(PreTrainedConfig):
         Hub-format dict with an unknown key or without `mask_token_id`/`target_layer_ids`, and translates the
         official layout."""
         if config_dict.get("model_type") == "qwen3" and "dflash_config" in config_dict:
-            carried = {key: config_dict[key] for key in ("dtype", "torch_dtype") if key in config_dict}
+            # DRAFT_HEAD_FIELD: read (and removed) by DFlashDraftModel.from_pretrained, which checks the weights
+            carried = {
+                key: config_dict[key] for key in ("dtype", "torch_dtype", DRAFT_HEAD_FIELD) if key in config_dict
+            }
             config_dict = {**carried, **dflash_kwargs_from_official(config_dict)}
         else:
             check_known_keys(config_dict)

@@ -35,7 +35,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
-from .configuration_dflash import DFlashConfig
+from .configuration_dflash import DRAFT_HEAD_FIELD, DRAFT_HEAD_TARGET_ROWS, DFlashConfig
 
 
 def apply_rope(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -335,6 +335,7 @@ def check_loading_info(info: dict, source, config: DFlashConfig) -> None:
             "weights were trained with."
         )
     problems = {k: sorted(info.get(k) or []) for k in ("missing_keys", "unexpected_keys")}
+    allow_target_head_rows(problems["unexpected_keys"], config, source)
     problems = {k: v for k, v in problems.items() if v}
     if problems:
         raise ValueError(
@@ -434,6 +435,21 @@ def head_product(head: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     instead of 0.5)."""
     logits = head(hidden_states.to(head.weight.dtype).reshape(-1, hidden_states.shape[-1]))
     return logits.view(*hidden_states.shape[:-1], logits.shape[-1])
+
+
+def allow_target_head_rows(unexpected_keys: list[str], config: DFlashConfig, source) -> None:
+    """An official folder of a pruned-vocabulary drafter holds `lm_head.weight` (draft_vocab_size, H), the target
+    head's rows that vLLM loads; the drafter borrows them from the target, so the key is dropped from
+    `unexpected_keys`, but only where the config marks it so (its mark is taken off the config here)."""
+    draft_head = config.__dict__.pop(DRAFT_HEAD_FIELD, None)  # an official config's mark, not a setting
+    if "lm_head.weight" not in unexpected_keys or config.draft_vocab_size is None:
+        return
+    if draft_head != DRAFT_HEAD_TARGET_ROWS:
+        raise ValueError(
+            f'DFlash checkpoint {source} holds lm_head.weight without {DRAFT_HEAD_FIELD}: "{DRAFT_HEAD_TARGET_ROWS}" '
+            "in its config: a draft head of its own, while this drafter drafts with the target head's rows."
+        )
+    unexpected_keys.remove("lm_head.weight")
 
 
 class DFlashDraftModel(DFlashPreTrainedModel):
