@@ -623,10 +623,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hf-dflash` console script; returns the exit status.
     User errors (bad values, files and folders: `user_errors`) print `hf-dflash <cmd>: error: ...` on stderr
-    and return 2, like argparse's own errors."""
+    and return 2, like argparse's own errors. Run as the program (`argv` None), a refusal before any work (another
+    process writes to the output folder) ends the process at once with status 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    return run_reporting_errors(f"hf-dflash {args.command}", lambda: args.func(args))
+    return run_reporting_errors(f"hf-dflash {args.command}", lambda: args.func(args), exit_at_once=argv is None)
 
 
 if __name__ == "__main__":
