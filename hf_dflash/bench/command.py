@@ -8,11 +8,12 @@ from pathlib import Path
 
 import torch
 
+from ..data.regenerate import prompt_format
 from ..dtypes import describe_dtype
 from ..folder_lock import folder_lock
 from ..generation.adaptive import parse_block_size_policy
 from ..output_paths import check_output_folder
-from .loading import load_bench_models, load_bench_target, machine_description
+from .loading import check_block_size_policy, load_bench_models, load_bench_target, machine_description
 from .methods import METHODS, PROMPT_LOOKUP_NUM_TOKENS, check_methods
 from .plots import write_plots
 from .prompts import EVAL_SETS, select_prompt_sets
@@ -77,6 +78,7 @@ def report_settings(
         else f"recommended: {models.drafter.config.block_size_policy or 'trained'}",
         "dtype": dtype_name(models.target.dtype),
         "dtype_choice": dtype_note,
+        "prompt_format": prompt_format(models.tokenizer),
         "dtypes": dtypes,  # per plain method; every other method runs in "dtype"
         # each method's first (untimed) call of the run: plain-compiled's compile, reported apart from tok/s
         "warmup_seconds": {method: round(seconds, 2) for method, seconds in warmup_seconds.items()},
@@ -141,6 +143,7 @@ def run_bench(
     if block_size_policy != "recommended":
         options["block_size_policy"] = block_size_policy  # the default stays out of the command line
     check_methods(methods)
+    check_block_size_policy(block_size_policy, drafter)  # against the drafter's config.json, before any model loads
     check_output_folder(out)  # before the benchmark, not after it (its results were lost to a FileExistsError)
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.")
@@ -157,6 +160,7 @@ def run_bench(
             f"Prompts run: {prompts_run_line(prompts_run)}"
             + f"; methods {', '.join(methods)}, interleaved per prompt; max {max_new_tokens} new tokens, "
             + ("greedy." if temperature <= 0 else f"sampling at temperature {temperature} (seed {seed}).")
+            + f"\nPrompt format: {prompt_format(models.tokenizer)}"
         )
         warmup_seconds: dict[str, float] = {}
         samples = run_benchmark(

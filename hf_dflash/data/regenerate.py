@@ -71,6 +71,16 @@ def render_conversation(
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
+def prompt_format(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Which rendering `render_conversation` applies to `tokenizer` (printed by `generate` and `bench`)."""
+    if not tokenizer.chat_template:
+        return (
+            "no chat template in the tokenizer: the running text (BOS, then each message's content back to back), "
+            "as the training data renders it"
+        )
+    return "the tokenizer's chat template, with the assistant header"
+
+
 def shard_seed(seed: int, index: int) -> int:
     """The RNG seed of shard `index`: a restarted shard samples exactly as the first attempt did."""
     return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "little")
