@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,6 +13,7 @@ from ..data.regenerate import prompt_format
 from ..dtypes import describe_dtype
 from ..folder_lock import folder_lock
 from ..generation.adaptive import parse_block_size_policy
+from ..machine_load import timing_threads
 from ..output_paths import check_output_folder
 from .loading import check_block_size_policy, load_bench_models, load_bench_target, machine_description
 from .methods import METHODS, PROMPT_LOOKUP_NUM_TOKENS, check_methods
@@ -106,6 +108,15 @@ def room_for_every_graph(limit: int = 64):
     return torch._dynamo.config.patch(recompile_limit=max(limit, torch._dynamo.config.recompile_limit))
 
 
+def _check_inputs(methods, block_size_policy: str, drafter: str, out, max_new_tokens: int) -> None:
+    """The options checked before any model loads."""
+    check_methods(methods)
+    check_block_size_policy(block_size_policy, drafter)  # against the drafter's config.json
+    check_output_folder(out)  # before the benchmark, not after it (its results were lost to a FileExistsError)
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.")
+
+
 def run_bench(
     target: str,
     drafter: str,
@@ -142,17 +153,14 @@ def run_bench(
     }
     if block_size_policy != "recommended":
         options["block_size_policy"] = block_size_policy  # the default stays out of the command line
-    check_methods(methods)
-    check_block_size_policy(block_size_policy, drafter)  # against the drafter's config.json, before any model loads
-    check_output_folder(out)  # before the benchmark, not after it (its results were lost to a FileExistsError)
-    if max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.")
+    _check_inputs(methods, block_size_policy, drafter, out, max_new_tokens)
     prompt_sets, pool_sizes = select_prompt_sets(sets, prompts, num_prompts, seed)
     prompts_run = {name: [len(records), pool_sizes[name]] for name, records in prompt_sets.items()}
     # One writer per folder, and the lock file is the write probe: a second bench into OUT, or an OUT that
     # cannot be written, is refused before any model loads (both used to lose the run at the end).
-    with folder_lock(out, "bench --out"), room_for_every_graph():
+    with folder_lock(out, "bench --out"), room_for_every_graph(), contextlib.ExitStack() as stack:
         models, alt_target, dtypes = load_run_models(options, block_size_policy)
+        machine_load = stack.enter_context(timing_threads(models.target))  # printed; threads restored after
         options["device"] = str(models.target.device)
         dtype_note = describe_dtype(dtype, models.target.device)
         print(
@@ -181,6 +189,7 @@ def run_bench(
         report = build_report(
             summary, samples, bench_command_line(options), machine_description(models.target.device), settings
         )
+        report["machine_load"] = machine_load
         report["plots"] = [path.name for path in write_plots(summary, out)]
         written = write_report(report, out)
         print(format_table(report))
