@@ -309,3 +309,59 @@ def test_a_target_folder_the_recipe_cannot_use_is_refused_before_the_first_stage
     captured = capsys.readouterr()
     assert f"--target {folder}" in captured.err and expected in captured.err, captured.err
     assert "[1/9]" not in captured.out and not (tmp_path / "out").exists()
+
+
+def _interrupted_run(argv: list[str], environment: dict, delay: float) -> tuple[int, str]:
+    """(exit status, output) of a recipe run sent SIGINT `delay` seconds into its regeneration."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    worker = str(Path(__file__).parent / "interrupt_worker.py")
+    process = subprocess.Popen(
+        [sys.executable, worker, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment
+    )
+    try:
+        lines = []
+        for line in process.stdout:  # bounded: the process ends, or starts regenerating
+            lines.append(line)
+            if "regenerating" in line:
+                break
+        time.sleep(delay)
+        process.send_signal(signal.SIGINT)
+        rest, _ = process.communicate(timeout=300)
+    finally:
+        process.kill()
+    return process.returncode, "".join(lines) + rest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("swallowed", [False, True], ids=["raised", "swallowed by a library"])
+def test_ctrl_c_during_regeneration_always_stops_the_recipe_and_a_rerun_resumes(tmp_path, swallowed):
+    """Issue 53 item 10: a Ctrl-C during regeneration once let the recipe finish every stage and exit 0 (the
+    KeyboardInterrupt was lost). SIGINT at several points: exit 130 every time (never 0, no later stage), even
+    when the generation swallows the KeyboardInterrupt; the re-run resumes the regeneration and finishes."""
+    import os
+    import subprocess
+    import sys
+
+    argv, config = tiny_recipe(tmp_path)
+    config["data"].update(max_new_tokens=48, shard_size=2, batch_size=2)
+    config["bench"]["enabled"], config["heldout"] = False, {"enabled": False}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(config))
+    write_lines(tmp_path / "prompts.jsonl", [{"prompt": f"Tell me about the number {i}, please."} for i in range(30)])
+    argv = [*argv[:-1], "30"]  # --max-prompts 30: 15 shards
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "PYTHONUNBUFFERED": "1",
+                   "SWALLOW_INTERRUPTS": "1" if swallowed else "0"}  # fmt: skip
+    responses = tmp_path / "out" / "data" / "responses"
+    for delay in (0.0, 1.0):
+        status, output = _interrupted_run(argv, environment, delay)
+        assert status == 130 and "interrupted (Ctrl-C)" in output, output[-2000:]
+        assert "[3/9]" not in output and not (tmp_path / "out" / "stages" / "regenerate.json").exists()
+    shards = len(list(responses.glob("responses-*.jsonl")))
+    rerun = subprocess.run([sys.executable, str(Path(__file__).parent / "interrupt_worker.py"), *argv], env=environment,
+                           capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-2000:]
+    assert ("(resuming)" in rerun.stdout) == (shards > 0) and len(list(responses.glob("responses-*.jsonl"))) == 15
+    assert (tmp_path / "out" / "export" / "config.json").is_file()

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..folder_lock import folder_lock
+from ..interrupts import raise_if_interrupted
 from .continuous import continuous_batching_supported, continuous_greedy_replies
 from .shards import check_stage_config, shard_name, write_jsonl_atomic
 
@@ -277,4 +278,5 @@ def regenerate_responses(
                     on_replies=bar.update,
                 )
                 write_jsonl_atomic(path, rows)
+                raise_if_interrupted(f"after {path.name}")  # a swallowed Ctrl-C stops here: the next run resumes
     return paths

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from ..folder_lock import folder_lock
+from ..interrupts import raise_if_interrupted
 from ..output_paths import check_output_folder
 from .checks import check_drafter_for_target
 from .config import TRAINING_DEFAULTS, load_recipe_config
@@ -118,6 +119,7 @@ def _redo(run: RecipeRun, redo: str | None) -> None:
 def _run_stage(run: RecipeRun, index: int, stage, settings: dict, print_: str) -> tuple:
     """Run `stage` unless its marker says it is complete; returns its summary row."""
     prefix = f"[{index}/{len(STAGES)}] {stage.name:<10}"
+    raise_if_interrupted(f"before the {stage.name} stage")
     if stage_state(run.out, stage.name, settings, print_) == "done":
         result = (read_marker(run.out, stage.name).get("outputs") or {}).get("result", "")
         print(f"{prefix} done already ({stage.does}): skipped", flush=True)
