@@ -129,23 +129,25 @@ def choose_threads(
     repeats: int = 3,
 ) -> ThreadChoice:
     """On a shared machine, the fastest of a few thread counts for `run_once` (one short target forward: best of
-    `repeats` after a warm-up), set with `set_threads`; elsewhere, or when OMP_NUM_THREADS is set, `current`."""
+    `repeats` after a warm-up; a count already twice as slow as the best is dropped after one call), set with
+    `set_threads`; elsewhere, or when OMP_NUM_THREADS is set, `current`."""
     environ = os.environ if environ is None else environ
     if "OMP_NUM_THREADS" in environ:
         return ThreadChoice(current, f"OMP_NUM_THREADS={environ['OMP_NUM_THREADS']} is set: kept")
     if not load.shared:
         return ThreadChoice(current, "a quiet machine: the default")
     free = max(1, round(load.usable_cores - load.other_cores))
-    seconds = {}
+    seconds: dict[int, float] = {}
     for threads in sorted({1, free, current}):
         set_threads(threads)
-        run_once()  # warm-up
         timings = []
-        for _ in range(repeats):
+        for _ in range(repeats + 1):  # the first call warms up; counted only while it is all there is
             start = time.perf_counter()
             run_once()
             timings.append(time.perf_counter() - start)
-        seconds[threads] = round(min(timings), 5)
+            if seconds and min(timings) > 2 * min(seconds.values()):
+                break  # already twice as slow as the best count: not worth more calls (seconds each when loaded)
+        seconds[threads] = round(min(timings[1:] or timings), 5)
     best = min(seconds, key=seconds.get)
     set_threads(best)
     return ThreadChoice(best, "a shared machine: the fastest measured", seconds)
