@@ -637,10 +637,25 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hf-dflash` console script; returns the exit status.
     User errors (bad values, files and folders: `user_errors`) print `hf-dflash <cmd>: error: ...` on stderr
-    and return 2, like argparse's own errors."""
+    and return 2, like argparse's own errors. Run as the program (`argv` None), a refusal before any work (another
+    process writes to the output folder) ends the process at once with status 2. Ctrl-C returns 130
+    (`hf_dflash.interrupts`)."""
+    from .interrupts import INTERRUPTED, interrupted, recording_interrupts
+
     parser = build_parser()
     args = parser.parse_args(argv)
-    return run_reporting_errors(f"hf-dflash {args.command}", lambda: args.func(args))
+    prog = f"hf-dflash {args.command}"
+    with recording_interrupts():  # Ctrl-C stops, even where a library swallowed its KeyboardInterrupt
+        try:
+            status = run_reporting_errors(prog, lambda: args.func(args), exit_at_once=argv is None)
+        except KeyboardInterrupt:
+            status = INTERRUPTED
+        if interrupted() or status == INTERRUPTED:
+            print(
+                f"{prog}: interrupted (Ctrl-C); finished work is kept: run the same command to resume.", file=sys.stderr
+            )
+            return INTERRUPTED
+    return status
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from transformers import TextStreamer
 from .bench.divergence import first_divergence
 from .checkpoints import load_drafter
 from .dtypes import resolve_dtype
+from .machine_load import timing_threads
 from .targets import DEFAULT_TARGET, SHIPPED_DRAFTERS, load_target
 
 # In half precision a k-token verification forward may round a near-tie between the target's top two
@@ -62,38 +63,42 @@ def run_demo(
         f"Target: {DEFAULT_TARGET} ({dtype}). Drafter: {drafter_path} ({config.num_hidden_layers} layers, "
         f"block size {config.block_size}, adaptive block length).\n"
     )
-    rows = []
-    for name, text in DEMO_PROMPTS.items():
-        inputs = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
-        print(f"=== {name}: {text}")
-        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        target.generate(
-            **inputs, do_sample=False, max_new_tokens=max_new_tokens, assistant_model=drafter, streamer=streamer
-        )
-        plain, plain_seconds = timed_generate(target, inputs, max_new_tokens=max_new_tokens)
-        dflash, dflash_seconds = timed_generate(target, inputs, max_new_tokens=max_new_tokens, assistant_model=drafter)
-        new_tokens = plain.shape[1] - inputs["input_ids"].shape[1]
-        row = {
-            "prompt": name,
-            "new_tokens": new_tokens,
-            "plain_tok_s": new_tokens / plain_seconds,
-            "dflash_tok_s": (dflash.shape[1] - inputs["input_ids"].shape[1]) / dflash_seconds,
-            "tau": drafter.last_acceptance.mean_acceptance_length,
-            "mean_block": sum(drafter.last_acceptance.block_sizes) / max(len(drafter.last_acceptance.block_sizes), 1),
-            "identical": torch.equal(plain, dflash),
-        }
-        rows.append(row)
-        divergence = first_divergence(target, plain, dflash, inputs["input_ids"].shape[1])
-        row["near_tie"] = (
-            divergence is not None and dtype != torch.float32 and divergence.logit_gap <= NEAR_TIE_LOGIT_GAP
-        )
-        verdict = "yes" if divergence is None else "NO, " + divergence.note()
-        if row["near_tie"]:
-            verdict += f" (a {str(dtype).removeprefix('torch.')} rounding flip at a near-tie: fp32 is token-exact)"
-        print(
-            f"--- plain {row['plain_tok_s']:.1f} tok/s | DFlash {row['dflash_tok_s']:.1f} tok/s | "
-            f"τ {row['tau']:.2f} | mean block {row['mean_block']:.1f} | identical to plain greedy: {verdict}\n"
-        )
-    return rows
+    with timing_threads(target):  # the machine's load printed (a warning when shared), threads chosen
+        return [
+            _demo_row(target, tokenizer, drafter, name, text, max_new_tokens, dtype)
+            for name, text in DEMO_PROMPTS.items()
+        ]
+
+
+def _demo_row(target, tokenizer, drafter, name: str, text: str, max_new_tokens: int, dtype: torch.dtype) -> dict:
+    """Stream one demo answer through DFlash, then time plain vs DFlash on it; prints and returns its row."""
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    print(f"=== {name}: {text}")
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    target.generate(
+        **inputs, do_sample=False, max_new_tokens=max_new_tokens, assistant_model=drafter, streamer=streamer
+    )
+    plain, plain_seconds = timed_generate(target, inputs, max_new_tokens=max_new_tokens)
+    dflash, dflash_seconds = timed_generate(target, inputs, max_new_tokens=max_new_tokens, assistant_model=drafter)
+    new_tokens = plain.shape[1] - inputs["input_ids"].shape[1]
+    row = {
+        "prompt": name,
+        "new_tokens": new_tokens,
+        "plain_tok_s": new_tokens / plain_seconds,
+        "dflash_tok_s": (dflash.shape[1] - inputs["input_ids"].shape[1]) / dflash_seconds,
+        "tau": drafter.last_acceptance.mean_acceptance_length,
+        "mean_block": sum(drafter.last_acceptance.block_sizes) / max(len(drafter.last_acceptance.block_sizes), 1),
+        "identical": torch.equal(plain, dflash),
+    }
+    divergence = first_divergence(target, plain, dflash, inputs["input_ids"].shape[1])
+    row["near_tie"] = divergence is not None and dtype != torch.float32 and divergence.logit_gap <= NEAR_TIE_LOGIT_GAP
+    verdict = "yes" if divergence is None else "NO, " + divergence.note()
+    if row["near_tie"]:
+        verdict += f" (a {str(dtype).removeprefix('torch.')} rounding flip at a near-tie: fp32 is token-exact)"
+    print(
+        f"--- plain {row['plain_tok_s']:.1f} tok/s | DFlash {row['dflash_tok_s']:.1f} tok/s | "
+        f"τ {row['tau']:.2f} | mean block {row['mean_block']:.1f} | identical to plain greedy: {verdict}\n"
+    )
+    return row

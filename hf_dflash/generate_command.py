@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from .data.corpus import read_prompts_file
+from .data.regenerate import prompt_format, render_conversation
 from .folder_lock import path_lock
 from .generation.verifying.compiling import choose_compile, compiled_generate_kwargs, static_slots
 from .json_files import write_atomic
@@ -36,7 +37,8 @@ def generate_file(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
     check_new_file(out_file, overwrite=overwrite, inputs={"--prompts": prompts_file})
     records = read_prompts_file(prompts_file, require_prompts=True)
-    texts = [tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False) for r in records]
+    # as `bench` and the training data render them: a tokenizer without a chat template reads the running text
+    texts = [render_conversation(tokenizer, r["messages"], add_generation_prompt=True) for r in records]
     order = sorted(range(len(records)), key=lambda i: len(texts[i]))
     tokenizer.padding_side = "left"
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -86,7 +88,7 @@ def generate_file(
 @torch.no_grad()
 def run_generate(args) -> dict:
     """The CLI entry: load target and drafter (`--drafter random|PATH|none`) like `hf-dflash bench`."""
-    from .bench.loading import RANDOM_DRAFTER, load_bench_models
+    from .bench.loading import RANDOM_DRAFTER, check_block_size_policy, load_bench_models
     from .generation.policies.block_size import parse_block_size_policy
     from .targets import resolve_device, shipped_drafter
 
@@ -97,6 +99,8 @@ def run_generate(args) -> dict:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}.")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
+    if drafter_path != "none":
+        check_block_size_policy(args.block_size_policy, drafter_path)
     # One writer per --out file (its lock file beside it, which is also the write probe): a second run writing
     # the same file, or a folder that cannot be written, is refused before any model loads.
     with path_lock(args.out, "generate --out", kind="file"):
@@ -106,7 +110,7 @@ def run_generate(args) -> dict:
         drafter = None if drafter_path == "none" else models.drafter
         if drafter is not None:
             drafter.block_size_policy = parse_block_size_policy(args.block_size_policy, drafter.config.block_size)
-        print(f"compile: {why}")
+        print(f"compile: {why}\nprompt format: {prompt_format(models.tokenizer)}")
         summary = generate_file(
             models.target, models.tokenizer, drafter, args.prompts, args.out, args.batch_size, args.max_new_tokens,
             overwrite=args.overwrite, compiled=compiled,

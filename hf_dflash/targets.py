@@ -323,6 +323,40 @@ def load_target(
     return model, tokenizer
 
 
+TARGET_WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def check_target_folder(folder: str | Path, option: str = "--target") -> None:
+    """A local target folder a command can use: a causal LM's config.json (not a DFlash drafter's), weights and a
+    tokenizer; a ValueError naming `option`, the folder and what is missing, read from file names and the config
+    alone (nothing loads)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    folder = Path(folder)
+    where = f"{option} {folder}"
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{where}: no config.json; pass a Transformers causal-LM folder (save_pretrained).") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{where}: config.json is not valid JSON ({error}).") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type == "dflash" or "dflash_config" in config or "speculators_config" in config:
+        raise ValueError(f"{where} is a DFlash drafter, not a target; pass the target model's folder.")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"{where}: model_type {model_type!r} is not a causal LM Transformers knows.")
+    if not any((folder / name).is_file() for name in TARGET_WEIGHTS):
+        raise ValueError(f"{where} has no weights ({' or '.join(TARGET_WEIGHTS)}); save the model there.")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{where} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); save one next to the model.")
+
+
 def load_any_target(name: str, dtype: torch.dtype | str = AUTO):
     """(target in eval mode, tokenizer or None) from a known name (`KNOWN_TARGETS`) or a local
     Transformers folder (tokenizer None when the folder has none); ValueError otherwise."""

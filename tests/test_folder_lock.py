@@ -102,3 +102,36 @@ def test_folders_a_failed_holder_created_are_removed_when_empty(tmp_path):
         with folder_lock(tmp_path / "kept"):  # a folder that existed stays
             raise RuntimeError("the work failed")
     assert (tmp_path / "kept").is_dir()
+
+
+def test_a_refused_train_ends_its_process_at_once(run_config):
+    """Issue 53 item 4: `hf-dflash train` on a folder another process writes to prints the refusal and exits 2
+    at once: the interpreter's teardown of the training libraries (2.5 s of CPU measured, tens of seconds on a
+    loaded machine: the refused run seemed to hang) is skipped, so an atexit handler never runs."""
+    import os
+    import time
+
+    import yaml
+
+    output_dir = yaml.safe_load(run_config.read_text())["training"]["output_dir"]
+    child = (
+        "import atexit, runpy, sys\n"
+        "atexit.register(lambda: print('interpreter teardown ran', flush=True))\n"
+        f"sys.argv = ['hf-dflash', 'train', '--config', {str(run_config)!r}]\n"
+        "runpy.run_module('hf_dflash.cli', run_name='__main__')\n"
+    )
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with folder_lock(output_dir, "training.output_dir"):
+        process = subprocess.Popen(
+            [sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment
+        )
+        try:
+            refusal = process.stderr.readline()
+            refused_at = time.monotonic()
+            status = process.wait(timeout=120)
+            exited_after = time.monotonic() - refused_at
+        finally:
+            process.kill()
+    assert "hf-dflash train: error: another process is writing to" in refusal, refusal + process.stderr.read()
+    assert status == 2 and "interpreter teardown ran" not in process.stdout.read()
+    assert exited_after < 2.0, f"the refused process ran {exited_after:.1f} s after its refusal"

@@ -173,3 +173,49 @@ def test_the_drafter_defaults_to_the_shipped_one_and_is_required_where_none_is_s
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "hf-dflash generate: error: No drafter is shipped for target 'nope'" in err and "'random'" in err, err
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+@pytest.mark.parametrize("policy, fragment", [("bogus", "'bogus'"), ("9", "1 <= k <= 4")])
+def test_a_bad_block_size_policy_is_refused_before_the_target_loads(
+    tmp_path, capsys, monkeypatch, command, policy, fragment
+):
+    """Issue 53 item 9: the policy is checked against the block size the drafter's config.json records (read
+    without loading anything); it used to be refused only after the target had loaded."""
+    import hf_dflash.bench.loading as loading
+
+    monkeypatch.setattr(loading, "load_any_target", lambda *a, **k: pytest.fail("the target loaded"))
+    make_drafter(make_target("qwen3"), block_size=4).save_pretrained(tmp_path / "drafter")
+    prompts = write_lines(tmp_path / "prompts.jsonl", PROMPTS)
+    out = ["--out", str(tmp_path / ("answers.jsonl" if command == "generate" else "bench"))]
+    argv = [command, "--prompts", str(prompts), "--target", str(tmp_path / "target"), "--drafter",
+            str(tmp_path / "drafter"), "--block-size-policy", policy, *out]  # fmt: skip
+    capsys.readouterr()
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"hf-dflash {command}: error: block size policy {policy!r}") and fragment in error, error
+    assert not (tmp_path / "answers.jsonl").exists() and not (tmp_path / "bench").exists()
+
+
+def test_generate_and_bench_render_a_tokenizer_without_chat_template_alike_and_say_so(tmp_path, capsys):
+    """Issue 53 item 9: a target folder whose tokenizer has no chat template (a base model): `generate` failed
+    after loading with Transformers' chat-template error while `bench` ran on the running text; both now render
+    the prompts as the training data does (BOS, then the messages back to back) and print which format applies."""
+    target = make_target("qwen3")
+    target.save_pretrained(tmp_path / "target")
+    tokenizer = make_char_tokenizer()
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(tmp_path / "target")
+    make_drafter(target, block_size=4).save_pretrained(tmp_path / "drafter")
+    prompts = write_lines(tmp_path / "prompts.jsonl", PROMPTS[:2])
+    common = ["--prompts", str(prompts), "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
+              "--dtype", "float32", "--max-new-tokens", "6"]  # fmt: skip
+    assert main(["generate", *common, "--out", str(tmp_path / "answers.jsonl")]) == 0
+    generated = capsys.readouterr().out
+    assert main(["bench", *common, "--out", str(tmp_path / "bench"), "--methods", "plain,dflash", "--no-progress"]) == 0
+    benched = capsys.readouterr().out
+    expected = "prompt format: no chat template in the tokenizer: the running text"
+    assert expected in generated.lower() and expected in benched.lower()
+    assert len((tmp_path / "answers.jsonl").read_text().splitlines()) == 2
+    report = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert report["settings"]["prompt_format"].startswith("no chat template")

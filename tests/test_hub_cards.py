@@ -617,3 +617,23 @@ def test_card_datasets_are_the_hub_ids_the_record_names():
     card = render_model_card(drafter.config, TARGET_ID, training_record=record)
     assert card.data.datasets == ["openai/gsm8k"]
     assert render_model_card(drafter.config, TARGET_ID, training_record=RECORD).data.datasets is None
+
+
+def test_a_refused_export_leaves_no_half_written_folder(tmp_path, capsys):
+    """Issue 53 item 6: `export --official` of a drafter the official format cannot hold (DFlash2 with a draft
+    vocabulary) used to leave config, weights and remote code in OUT_DIR, which blocked a re-run. The export is
+    written beside OUT_DIR and moved in at the end: a refusal leaves OUT_DIR as it was (absent, or empty)."""
+    from tests.test_dflash2_serving import dflash2_drafter
+
+    drafter = save_hub(dflash2_drafter(make_target("llama"), draft_vocab_size=24), tmp_path / "drafter")
+    for out in (tmp_path / "new" / "repo", tmp_path / "empty"):
+        if out.name == "empty":
+            out.mkdir()
+        argv = ["export", str(drafter), str(out), "--target-id", TARGET_ID, "--official"]
+        assert main(argv) == 2
+        assert "has no official layout" in capsys.readouterr().err
+        assert (list(out.iterdir()) == []) if out.name == "empty" else not out.parent.exists()  # as it was
+        assert [path.name for path in tmp_path.iterdir() if path.name.startswith(".")] == []  # nothing beside it
+        assert main(argv[:-1]) == 0  # the re-run without --official goes ahead
+        assert (out / "config.json").is_file() and not (out / "official").exists()
+        assert [path.name for path in out.parent.iterdir() if path.name.startswith(".")] == []

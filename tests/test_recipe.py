@@ -233,3 +233,135 @@ def test_committed_recipe_configs_are_valid(path):
 
     config = load_recipe_config(path, "gemma3-270m", None)  # the target comes from the command line
     assert config["data"]["max_prompts"]  # the committed recipe configs are short runs
+
+
+def _without(folder: Path, copy: Path, *names: str) -> str:
+    shutil.copytree(folder, copy, ignore=shutil.ignore_patterns(*names))
+    return str(copy)
+
+
+def _drafter_folder(root: Path) -> str:
+    from tests.conftest import make_drafter
+
+    make_drafter(make_target("qwen3")).save_pretrained(root / "a-drafter")
+    return str(root / "a-drafter")
+
+
+# (recipe config changes {section: {key: value}} or {key: value}, keys removed from training, what the refusal names)
+WHOLE_RECIPE_CASES = {
+    "negative seed": ({"seed": -1}, (), "seed: must be an integer in [0, 4294967295], got -1"),
+    "nan learning rate": ({"training": {"learning_rate": float("nan")}}, (), "training.learning_rate"),
+    "negative learning rate": ({"training": {"learning_rate": -1e-3}}, (), "training.learning_rate"),
+    "zero epochs": ({"training": {"num_train_epochs": 0}}, ("max_steps",), "training.num_train_epochs"),
+    "zero save steps": ({"training": {"save_steps": 0}}, (), "training.save_steps"),
+    "zero samples per shard": ({"data": {"samples_per_shard": 0}}, (), "data.samples_per_shard"),
+    "negative bench prompts": ({"bench": {"num_prompts": -2}}, (), "bench.num_prompts"),
+    "zero bench tokens": ({"bench": {"max_new_tokens": 0}}, (), "bench.max_new_tokens"),
+    "missing bench prompts": ({"bench": {"prompts": "MISSING"}}, (), "bench.prompts"),
+    "missing data prompts": ({"data": {"prompts": "MISSING"}}, (), "data.prompts"),
+    "zero feature batch": ({"features": {"enabled": True, "batch_size": 0}}, (), "features.batch_size"),
+    "two block sizes": ({"drafter": {"block_size": 8}}, (), "drafter.block_size=8 differs from training.block_size=4"),
+    "layer past the target": ({"drafter": {"target_layer_ids": [1, 9]}}, (), "target_layer_ids"),
+    "draft vocabulary too large": ({"drafter": {"draft_vocab_size": 10**6}}, (), "draft_vocab_size"),
+    "policy past the block": ({"drafter": {"block_size_policy": 8}}, (), "block_size_policy=8"),
+    "missing init_from": ({"drafter": {"init_from": "MISSING"}}, (), "drafter.init_from"),
+}
+
+
+@pytest.mark.parametrize("case", list(WHOLE_RECIPE_CASES), ids=str)
+def test_the_whole_recipe_is_checked_before_the_first_stage(tmp_path, capsys, case):
+    """Issue 53 item 5: every setting, every stage's input files and the target folder are checked before any
+    stage runs (some were refused only after regeneration and training), naming the key."""
+    changes, removed, expected = WHOLE_RECIPE_CASES[case]
+    argv, config = tiny_recipe(tmp_path)
+    missing = str(tmp_path / "no-such-file.jsonl")
+    for key, value in changes.items():
+        if isinstance(value, dict):
+            config.setdefault(key, {}).update({k: missing if v == "MISSING" else v for k, v in value.items()})
+        else:
+            config[key] = value
+    for key in removed:
+        del config["training"][key]
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(config))
+    capsys.readouterr()
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("hf-dflash recipe: error: ") and expected in captured.err, captured.err
+    assert "[1/9]" not in captured.out and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "target, expected",
+    [
+        (_drafter_folder, "is a DFlash drafter"),
+        (lambda root: _without(root / "target", root / "no-weights", "*.safetensors"), "no weights"),
+        (lambda root: _without(root / "target", root / "no-tokenizer", "tokenizer*"), "no tokenizer"),
+        (lambda root: _without(root / "target", root / "no-config", "config.json"), "no config.json"),
+    ],
+    ids=["drafter", "no weights", "no tokenizer", "no config"],
+)
+def test_a_target_folder_the_recipe_cannot_use_is_refused_before_the_first_stage(tmp_path, capsys, target, expected):
+    argv, _ = tiny_recipe(tmp_path)
+    folder = target(tmp_path)
+    argv[argv.index("--target") + 1] = folder
+    capsys.readouterr()
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert f"--target {folder}" in captured.err and expected in captured.err, captured.err
+    assert "[1/9]" not in captured.out and not (tmp_path / "out").exists()
+
+
+def _interrupted_run(argv: list[str], environment: dict, delay: float) -> tuple[int, str]:
+    """(exit status, output) of a recipe run sent SIGINT `delay` seconds into its regeneration."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    worker = str(Path(__file__).parent / "interrupt_worker.py")
+    process = subprocess.Popen(
+        [sys.executable, worker, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment
+    )
+    try:
+        lines = []
+        for line in process.stdout:  # bounded: the process ends, or starts regenerating
+            lines.append(line)
+            if "regenerating" in line:
+                break
+        time.sleep(delay)
+        process.send_signal(signal.SIGINT)
+        rest, _ = process.communicate(timeout=300)
+    finally:
+        process.kill()
+    return process.returncode, "".join(lines) + rest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("swallowed", [False, True], ids=["raised", "swallowed by a library"])
+def test_ctrl_c_during_regeneration_always_stops_the_recipe_and_a_rerun_resumes(tmp_path, swallowed):
+    """Issue 53 item 10: a Ctrl-C during regeneration once let the recipe finish every stage and exit 0 (the
+    KeyboardInterrupt was lost). SIGINT at several points: exit 130 every time (never 0, no later stage), even
+    when the generation swallows the KeyboardInterrupt; the re-run resumes the regeneration and finishes."""
+    import os
+    import subprocess
+    import sys
+
+    argv, config = tiny_recipe(tmp_path)
+    config["data"].update(max_new_tokens=48, shard_size=2, batch_size=2)
+    config["bench"]["enabled"], config["heldout"] = False, {"enabled": False}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(config))
+    write_lines(tmp_path / "prompts.jsonl", [{"prompt": f"Tell me about the number {i}, please."} for i in range(30)])
+    argv = [*argv[:-1], "30"]  # --max-prompts 30: 15 shards
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "PYTHONUNBUFFERED": "1",
+                   "SWALLOW_INTERRUPTS": "1" if swallowed else "0"}  # fmt: skip
+    responses = tmp_path / "out" / "data" / "responses"
+    for delay in (0.0, 1.0):
+        status, output = _interrupted_run(argv, environment, delay)
+        assert status == 130 and "interrupted (Ctrl-C)" in output, output[-2000:]
+        assert "[3/9]" not in output and not (tmp_path / "out" / "stages" / "regenerate.json").exists()
+    shards = len(list(responses.glob("responses-*.jsonl")))
+    rerun = subprocess.run([sys.executable, str(Path(__file__).parent / "interrupt_worker.py"), *argv], env=environment,
+                           capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-2000:]
+    assert ("(resuming)" in rerun.stdout) == (shards > 0) and len(list(responses.glob("responses-*.jsonl"))) == 15
+    assert (tmp_path / "out" / "export" / "config.json").is_file()

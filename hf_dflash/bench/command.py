@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from ..data.regenerate import prompt_format
 from ..dtypes import describe_dtype
 from ..folder_lock import folder_lock
 from ..generation.policies.block_size import parse_block_size_policy
+from ..machine_load import timing_threads
 from ..output_paths import check_output_folder
-from .loading import load_bench_models, load_bench_target, machine_description
+from .loading import check_block_size_policy, load_bench_models, load_bench_target, machine_description
 from .methods import METHODS, PROMPT_LOOKUP_NUM_TOKENS, check_methods
 from .plots import write_plots
 from .prompts import EVAL_SETS, select_prompt_sets
@@ -78,6 +81,7 @@ def report_settings(
         else f"recommended: {models.drafter.config.block_size_policy or 'trained'}",
         "dtype": dtype_name(models.target.dtype),
         "dtype_choice": dtype_note,
+        "prompt_format": prompt_format(models.tokenizer),
         "dtypes": dtypes,  # per plain method; every other method runs in "dtype"
         # each method's first (untimed) call of the run: plain-compiled's compile, reported apart from tok/s
         "warmup_seconds": {method: round(seconds, 2) for method, seconds in warmup_seconds.items()},
@@ -107,10 +111,12 @@ def room_for_every_graph(limit: int = 64):
     return torch._dynamo.config.patch(recompile_limit=max(limit, torch._dynamo.config.recompile_limit))
 
 
-def check_run(methods: Sequence[str], out: str | Path, max_new_tokens: int) -> None:
-    """ValueError naming an unknown method, an output folder that holds results, or a length below 1: before
-    the benchmark, not after it (its results were once lost to a FileExistsError)."""
+def check_run(methods, block_size_policy: str, drafter: str, out, max_new_tokens: int) -> None:
+    """The options checked before any model loads: an unknown method, a block size policy the drafter's config.json
+    rules out, an output folder that holds results (before the benchmark, not after it: its results were once lost
+    to a FileExistsError), a length below 1."""
     check_methods(methods)
+    check_block_size_policy(block_size_policy, drafter)
     check_output_folder(out)
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.")
@@ -155,13 +161,14 @@ def run_bench(
         options["block_size_policy"] = block_size_policy  # the default stays out of the command line
     if draft_temperature is not None:
         options["draft_temperature"] = draft_temperature
-    check_run(methods, out, max_new_tokens)
+    check_run(methods, block_size_policy, drafter, out, max_new_tokens)
     prompt_sets, pool_sizes = select_prompt_sets(sets, prompts, num_prompts, seed)
     prompts_run = {name: [len(records), pool_sizes[name]] for name, records in prompt_sets.items()}
     # One writer per folder, and the lock file is the write probe: a second bench into OUT, or an OUT that
     # cannot be written, is refused before any model loads (both used to lose the run at the end).
-    with folder_lock(out, "bench --out"), room_for_every_graph():
+    with folder_lock(out, "bench --out"), room_for_every_graph(), contextlib.ExitStack() as stack:
         models, alt_target, dtypes = load_run_models(options, block_size_policy)
+        machine_load = stack.enter_context(timing_threads(models.target))  # printed; threads restored after
         options["device"] = str(models.target.device)
         dtype_note = describe_dtype(dtype, models.target.device)
         print(
@@ -169,6 +176,7 @@ def run_bench(
             f"Prompts run: {prompts_run_line(prompts_run)}"
             + f"; methods {', '.join(methods)}, interleaved per prompt; max {max_new_tokens} new tokens, "
             + ("greedy." if temperature <= 0 else f"sampling at temperature {temperature} (seed {seed}).")
+            + f"\nPrompt format: {prompt_format(models.tokenizer)}"
         )
         warmup_seconds: dict[str, float] = {}
         samples = run_benchmark(
@@ -189,6 +197,7 @@ def run_bench(
         report = build_report(
             summary, samples, bench_command_line(options), machine_description(models.target.device), settings
         )
+        report["machine_load"] = machine_load
         report["plots"] = [path.name for path in write_plots(summary, out)]
         written = write_report(report, out)
         print(format_table(report))

@@ -15,7 +15,15 @@ from ..dtypes import AUTO, cpu_flags, resolve_dtype
 from ..modeling_dflash import DFlashConfig, DFlashDraftModel
 from ..targets import load_any_target, resolve_device
 
-__all__ = ["RANDOM_DRAFTER", "BenchModels", "load_bench_models", "machine_description", "random_drafter"]
+__all__ = [
+    "RANDOM_DRAFTER",
+    "BenchModels",
+    "check_block_size_policy",
+    "load_bench_models",
+    "machine_description",
+    "random_drafter",
+    "recorded_block_size",
+]
 
 RANDOM_DRAFTER = "random"
 
@@ -42,6 +50,43 @@ def random_drafter(
     )
     torch.manual_seed(seed)
     return DFlashDraftModel(config)
+
+
+def recorded_block_size(drafter: str) -> int | None:
+    """The block size `drafter` ("random", or a local checkpoint folder of any format) records, read from its
+    config.json without loading it; None where it cannot be read that way (a Hub id, a damaged folder: the
+    loader names the problem later)."""
+    from ..checkpoints.files import read_config
+    from ..checkpoints.loading import detect_format
+
+    if drafter == RANDOM_DRAFTER:
+        return DFlashConfig.block_size  # random_drafter's
+    folder = Path(drafter)
+    if not (folder / "config.json").is_file():
+        return None
+    try:
+        config, kind = read_config(folder), detect_format(folder)
+    except ValueError:
+        return None
+    block = config.get("dflash_config", {}).get("block_size") if kind == "official" else config.get("block_size")
+    if kind == "hub" and block is None:
+        block = DFlashConfig.block_size
+    return block if isinstance(block, int) and not isinstance(block, bool) else None
+
+
+def check_block_size_policy(policy: str, drafter: str) -> None:
+    """A `--block-size-policy` refused before any model loads: checked against the block size the drafter's config
+    records (`recorded_block_size`), or for its spelling alone where that cannot be read without loading."""
+    from ..generation.policies.block_size import parse_block_size_policy
+
+    block = recorded_block_size(drafter)
+    if block is not None:
+        parse_block_size_policy(policy, block)
+    elif policy not in ("recommended", "trained", "adaptive", "confidence") and not policy.isdigit():
+        raise ValueError(
+            f"block size policy {policy!r}: use 'recommended' (the drafter config's), 'trained' (the drafter's "
+            "block size), 'adaptive', 'confidence', or a block length k with 1 <= k <= the block size."
+        )
 
 
 def load_bench_target(name: str, dtype: torch.dtype):

@@ -21,9 +21,11 @@ The folder (a Hub-native checkpoint):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import shutil
 import warnings
 from pathlib import Path
 
@@ -101,30 +103,56 @@ def export_drafter(
                 f"{out} exists and is not empty; export into a new or empty folder (stale files would be uploaded)."
             )
         drafter = load_drafter(drafter_path)
-        weights_dtype = weights_dtype or drafter.dtype
         head = official_head_source(drafter, target) if official else None
         if official:
             official_head(drafter, head)  # a drafter without an official layout is refused before any file
-        save_hub(drafter, out, dtype=weights_dtype, model_card=False)
-        if official:
-            save_official(drafter, out / OFFICIAL_SUBFOLDER, dtype=weights_dtype, target_lm_head=head)
-        for name, data in ((BENCHMARK_NAME, benchmark), (TRAINING_RECORD_NAME, record)):
-            if data is not None:
-                (out / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-
-        card = render_model_card(
-            drafter.config,
-            target_id,
-            repo_id=repo_id,
-            benchmark=benchmark,
-            training_record=record,
-            official=official,
-            license=license,
-            weights_dtype=str(weights_dtype).removeprefix("torch."),
-            num_parameters=sum(p.numel() for p in drafter.parameters()),
-        )
-        card.save(out / "README.md")
+        with _staged(out) as staging:  # written beside `out`, moved in whole: a refusal leaves `out` as it was
+            _write_export(
+                drafter, staging, target_id, benchmark, record, official, license, weights_dtype, repo_id, head
+            )
         return out
+
+
+@contextlib.contextmanager
+def _staged(out: Path):
+    """A staging folder beside `out` (`.NAME.export-staging`, in its parent) for the block to write into; its
+    entries move into `out` when the block succeeds, and it is removed either way. The caller holds `out`'s lock,
+    so a staging folder already there is a killed export's: it is removed first."""
+    staging = out.parent / f".{out.name}.export-staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        yield staging
+        for path in sorted(staging.iterdir()):
+            os.replace(path, out / path.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write_export(
+    drafter, out: Path, target_id, benchmark, record, official, license, weights_dtype, repo_id, head
+) -> None:
+    """The export's files (weights, remote code, official/ with the target head's rows `head` where the drafter
+    drafts over a pruned vocabulary, JSON inputs, card) into `out`."""
+    weights_dtype = weights_dtype or drafter.dtype
+    save_hub(drafter, out, dtype=weights_dtype, model_card=False)
+    if official:
+        save_official(drafter, out / OFFICIAL_SUBFOLDER, dtype=weights_dtype, target_lm_head=head)
+    for name, data in ((BENCHMARK_NAME, benchmark), (TRAINING_RECORD_NAME, record)):
+        if data is not None:
+            (out / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    card = render_model_card(
+        drafter.config,
+        target_id,
+        repo_id=repo_id,
+        benchmark=benchmark,
+        training_record=record,
+        official=official,
+        license=license,
+        weights_dtype=str(weights_dtype).removeprefix("torch."),
+        num_parameters=sum(p.numel() for p in drafter.parameters()),
+    )
+    card.save(out / "README.md")
 
 
 def _upload_operations(folder: Path, card: str) -> list[CommitOperationAdd]:

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..folder_lock import folder_lock
+from ..interrupts import raise_if_interrupted
 from .continuous import continuous_batching_supported, continuous_greedy_replies
 from .shards import check_stage_config, shard_name, write_jsonl_atomic
 
@@ -69,6 +70,16 @@ def render_conversation(
     if not tokenizer.chat_template:
         return (tokenizer.bos_token or "") + "".join(message["content"] for message in messages)
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def prompt_format(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Which rendering `render_conversation` applies to `tokenizer` (printed by `generate` and `bench`)."""
+    if not tokenizer.chat_template:
+        return (
+            "no chat template in the tokenizer: the running text (BOS, then each message's content back to back), "
+            "as the training data renders it"
+        )
+    return "the tokenizer's chat template, with the assistant header"
 
 
 def shard_seed(seed: int, index: int) -> int:
@@ -267,4 +278,5 @@ def regenerate_responses(
                     on_replies=bar.update,
                 )
                 write_jsonl_atomic(path, rows)
+                raise_if_interrupted(f"after {path.name}")  # a swallowed Ctrl-C stops here: the next run resumes
     return paths

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from ..data.regenerate import DEFAULT_REGENERATION_BATCH, DEFAULT_REGENERATION_SHARD
 from ..data.sources import DEFAULT_TRAIN_SOURCES
-from ..targets import KNOWN_TARGETS
+from ..targets import KNOWN_TARGETS, check_target_folder
+from .checks import check_recipe_settings
 
 __all__ = ["DEFAULTS", "TRAINING_DEFAULTS", "load_recipe_config", "merge_config"]
 
@@ -149,6 +150,9 @@ def load_recipe_config(path: str | Path | None, target: str | None, max_prompts:
             )
         config["target_id"] = KNOWN_TARGETS[name].hub_id
     check_late_settings(config)
+    check_recipe_settings(config)
+    if name not in KNOWN_TARGETS:
+        check_target_folder(name)
     return config
 
 

@@ -12,7 +12,9 @@ import time
 from pathlib import Path
 
 from ..folder_lock import folder_lock
+from ..interrupts import raise_if_interrupted
 from ..output_paths import check_output_folder
+from .checks import check_drafter_for_target
 from .config import TRAINING_DEFAULTS, load_recipe_config
 from .defaults import derive_defaults
 from .markers import (
@@ -79,8 +81,11 @@ def plan(config: dict, out: Path) -> RecipeRun:
     folder = Path(name) if Path(name).is_dir() else default_cache_dir() / name
     if not (folder / "config.json").is_file():
         load_target(name)  # a known target converted once (as every command does)
-    derived = derive_defaults(AutoConfig.from_pretrained(folder), config["drafter"], config["training"])
-    return RecipeRun(out, config, derived, train_config_for(config, derived, out))
+    target_config = AutoConfig.from_pretrained(folder)
+    derived = derive_defaults(target_config, config["drafter"], config["training"])
+    run = RecipeRun(out, config, derived, train_config_for(config, derived, out))
+    check_drafter_for_target(run.train_config, target_config)
+    return run
 
 
 def _eta(seconds: float | None) -> str:
@@ -114,6 +119,7 @@ def _redo(run: RecipeRun, redo: str | None) -> None:
 def _run_stage(run: RecipeRun, index: int, stage, settings: dict, print_: str) -> tuple:
     """Run `stage` unless its marker says it is complete; returns its summary row."""
     prefix = f"[{index}/{len(STAGES)}] {stage.name:<10}"
+    raise_if_interrupted(f"before the {stage.name} stage")
     if stage_state(run.out, stage.name, settings, print_) == "done":
         result = (read_marker(run.out, stage.name).get("outputs") or {}).get("result", "")
         print(f"{prefix} done already ({stage.does}): skipped", flush=True)

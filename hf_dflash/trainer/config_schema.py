@@ -210,6 +210,50 @@ RANGES = (
 )
 
 
+# training numbers (int or float) that must be finite and positive (> 0), with what a value below 1 means, or
+# non-negative (>= 0: a learning rate of 0 keeps the initial weights); NaN and negative values trained in silence.
+POSITIVE_NUMBERS = {
+    "save_steps": "below 1: a fraction of the run",
+    "logging_steps": "below 1: a fraction of the run",
+    "eval_steps": "below 1: a fraction of the run",
+}
+NON_NEGATIVE_NUMBERS = (
+    "learning_rate",
+    "weight_decay",
+    "warmup_steps",
+    "warmup_ratio",
+    "max_grad_norm",
+    "adam_epsilon",
+)
+MAX_SEED = 2**32 - 1  # numpy's seed range (Trainer's set_seed seeds numpy)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_training_numbers(training: dict, problems: list[str]) -> None:
+    """NaN, infinite, negative or zero values of the training floats; epochs without steps; seeds."""
+    for key, why in POSITIVE_NUMBERS.items():
+        value = training.get(key)
+        if _number(value) and not 0 < value < float("inf"):
+            problems.append(f"training.{key}: must be a finite number > 0 ({why}), got {value}")
+    for key in NON_NEGATIVE_NUMBERS:
+        value = training.get(key)
+        if _number(value) and not 0 <= value < float("inf"):
+            problems.append(f"training.{key}: must be a finite number >= 0, got {value}")
+    epochs, steps = training.get("num_train_epochs"), training.get("max_steps", -1)
+    if _number(epochs) and not 0 < epochs < float("inf") and not (_number(steps) and steps >= 1):
+        problems.append(
+            f"training.num_train_epochs: must be a finite number > 0 without training.max_steps, got {epochs} "
+            "(it trained no step and saved the untrained drafter); raise it or set max_steps"
+        )
+    for key in ("seed", "data_seed"):
+        value = training.get(key)
+        if _number(value) and not 0 <= value <= MAX_SEED:
+            problems.append(f"training.{key}: must be an integer in [0, {MAX_SEED}], got {value}")
+
+
 def _check_ranges(checked: dict, problems: list[str]) -> None:
     """Numbers of the right type but out of range, and duplicate or negative layer ids."""
     for section, key, lowest, allowed in RANGES:
@@ -217,12 +261,21 @@ def _check_ranges(checked: dict, problems: list[str]) -> None:
         if isinstance(value, int) and not isinstance(value, bool) and value < lowest and value != allowed:
             also = f" (or {allowed})" if allowed is not None else ""
             problems.append(f"{section}.{key}: must be >= {lowest}{also}, got {value}")
+    if isinstance(checked.get("training"), dict):
+        _check_training_numbers(checked["training"], problems)
     drafter = checked.get("drafter") if isinstance(checked.get("drafter"), dict) else {}
     for key in ("target_layer_ids", "init_from_target"):
         ids = drafter.get(key)
         if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
             if len(set(ids)) != len(ids) or any(i < 0 for i in ids):
                 problems.append(f"drafter.{key}: expected distinct 0-based layer ids, got {ids}")
+    training = checked.get("training") if isinstance(checked.get("training"), dict) else {}
+    blocks = (drafter.get("block_size"), training.get("block_size", DFlashConfig.block_size))
+    if all(isinstance(block, int) for block in blocks) and blocks[0] != blocks[1]:
+        problems.append(
+            f"drafter.block_size={blocks[0]} differs from training.block_size={blocks[1]}: the drafter trains at "
+            "training.block_size; set one of them"
+        )
     part = (checked.get("data") or {}).get("eval_part") if isinstance(checked.get("data"), dict) else None
     if isinstance(part, str) and not part.strip():
         problems.append("data.eval_part: an empty name; give the part to hold out, or null")
