@@ -3,7 +3,8 @@
 Layers, bottom to top (a module may import its own layer and any lower one):
 
     0  utilities            json_files, packaged_files, dtypes, caches, folder_lock, user_errors, output_paths,
-                            packed_linears (CPU linear layers through oneDNN)
+                            packed_linears (CPU linear layers through oneDNN), interrupts (Ctrl-C recorded),
+                            machine_load (the machine's load and the thread count timings run at)
     1  models               modeling_dflash, targets (the target registry; `models`, its deprecated alias),
                             target_features
     2  cards                hub_cards (model card, training record, benchmark JSON schemas)
@@ -33,6 +34,8 @@ LAYERS = {
     "user_errors": 0,
     "output_paths": 0,
     "packed_linears": 0,
+    "interrupts": 0,
+    "machine_load": 0,
     "models": 1,  # the deprecated alias of targets (hf_dflash/models.py)
     "modeling_dflash": 1,
     "targets": 1,

@@ -122,6 +122,22 @@ def check_run(methods, block_size_policy: str, drafter: str, out, max_new_tokens
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}.")
 
 
+def announce(options: dict, models, dtype_note: str, prompts_run: dict) -> None:
+    """Print what the run is about to time: models, prompts, methods, decoding and the prompt format."""
+    temperature, device = options["temperature"], models.target.device
+    print(
+        f"Target: {options['target']} ({dtype_note}, {device}). Drafter: {models.drafter_description}.\n"
+        f"Prompts run: {prompts_run_line(prompts_run)}"
+        + f"; methods {', '.join(options['methods'])}, interleaved per prompt; max {options['max_new_tokens']} new "
+        + (
+            "tokens, greedy."
+            if temperature <= 0
+            else f"tokens, sampling at temperature {temperature} (seed {options['seed']})."
+        )
+        + f"\nPrompt format: {prompt_format(models.tokenizer)}"
+    )
+
+
 def run_bench(
     target: str,
     drafter: str,
@@ -171,13 +187,7 @@ def run_bench(
         machine_load = stack.enter_context(timing_threads(models.target))  # printed; threads restored after
         options["device"] = str(models.target.device)
         dtype_note = describe_dtype(dtype, models.target.device)
-        print(
-            f"Target: {target} ({dtype_note}, {models.target.device}). Drafter: {models.drafter_description}.\n"
-            f"Prompts run: {prompts_run_line(prompts_run)}"
-            + f"; methods {', '.join(methods)}, interleaved per prompt; max {max_new_tokens} new tokens, "
-            + ("greedy." if temperature <= 0 else f"sampling at temperature {temperature} (seed {seed}).")
-            + f"\nPrompt format: {prompt_format(models.tokenizer)}"
-        )
+        announce(options, models, dtype_note, prompts_run)
         warmup_seconds: dict[str, float] = {}
         samples = run_benchmark(
             models.target,
