@@ -457,3 +457,17 @@ def test_hybrid_tree_sampling_preserves_target_distribution():
         accepted += sum(length > 1 for length in stats.acceptance_lengths)
     assert chi_square_against(counts, p_second, "hybrid + drafter tree generate(do_sample)").pvalue > ALPHA
     assert tree_rounds > 50 and accepted >= 10, (tree_rounds, accepted)  # a random drafter: few accepted
+
+
+@torch.no_grad()
+def test_sampling_with_a_drafter_tree_that_is_a_chain_verifies_it_as_one():
+    """A two-node drafter tree is a chain: verified by rejection sampling with one-hot draft distributions (its
+    drafts carry none), in hybrid rounds that found no n-gram (it crashed there)."""
+    target = make_target("qwen3", seed=3)
+    drafter = make_drafter(target, block_size=4, seed=4)
+    drafter.draft_tree = 2
+    torch.manual_seed(0)
+    for _ in range(5):
+        out = hybrid(target, drafter, torch.tensor([[5, 17, 33, 9, 71]]), m=3, max_new_tokens=12, do_sample=True)
+        assert out.shape[1] == 5 + 12
+    assert drafter.last_acceptance.tree_sizes

@@ -34,11 +34,21 @@ def judge(proposal: Proposal, outputs, prefixes, logits_processor, do_sample: bo
         return judge_tree(proposal, raw_logits, outputs.hidden_states, prefixes[0], logits_processor, do_sample)
     processed = process_rows(logits_processor, batch_size, rows, prefixes, drafts.tokens, raw_logits)
     if do_sample:
-        new_tokens, num_accepted = sample_rows(drafts.tokens, drafts.scores, processed.softmax(-1))
+        new_tokens, num_accepted = sample_rows(
+            drafts.tokens, draft_distributions(drafts, raw_logits.shape[-1]), processed.softmax(-1)
+        )
     else:
         new_tokens = greedy_tokens(processed)  # (R, d+1): the target's token after each prefix
         num_accepted = accepted_lengths(drafts.tokens, new_tokens)
     return Verdict(new_tokens, num_accepted, processed, raw_logits, outputs.hidden_states)
+
+
+def draft_distributions(drafts, vocab_size: int) -> torch.Tensor | None:
+    """(R, d, V) the distributions the drafts were drawn from: their own, or one-hot for deterministic drafts that
+    carry none (a drafter tree's nodes, an n-gram copy: rejection sampling then accepts each with p(draft))."""
+    if drafts.scores is not None or not drafts.tokens.shape[1]:
+        return drafts.scores
+    return torch.nn.functional.one_hot(drafts.tokens, vocab_size).float()
 
 
 def judge_tree(proposal: Proposal, raw_logits, hidden_states, prefix, logits_processor, do_sample: bool) -> Verdict:
