@@ -47,6 +47,7 @@ import torch
 from ..generation.compiling import compiled_generate_kwargs, static_slots
 from ..generation.tree_drafting import AUTO_MAX_NODES
 from ..packed_linears import packed_linears
+from .recompiles import CompileCounter
 
 __all__ = [
     "COMPILED_METHODS",
@@ -100,6 +101,8 @@ class Generation:
     branches: dict[str, int] | None = None
     # ... and [tree nodes, target forward seconds] per round after the prefill
     round_costs: list[list[float]] | None = None
+    # compiled methods: graphs dynamo compiled during the timed call (0 once the warm-up settled); eager: None
+    compiles: int | None = None
 
 
 class ForwardTimer:
@@ -241,11 +244,12 @@ def generate_with(
     recorder = ForwardRecorder(target) if method in ("builtin", "lookup") else nullcontext()
     timer = ForwardTimer(target) if method in (*HYBRID_METHODS, *TREE_METHODS) else nullcontext()
     packing = packed_linears(target) if method in PACKED_PLAIN_METHODS else nullcontext()
+    counter = CompileCounter() if method in COMPILED_METHODS else nullcontext()
     tree_setting = getattr(drafter, "draft_tree", None) if drafter is not None else None
     if drafter is not None:  # only the tree methods draft trees
         drafter.draft_tree = TREE_SETTING if method in TREE_METHODS else None
     try:
-        with recorder, timer, packing:
+        with recorder, timer, packing, counter:
             _synchronize(target.device)
             start = time.perf_counter()
             extra = method_kwargs(method, drafter)
@@ -283,4 +287,5 @@ def generate_with(
         block_sizes=block_sizes if eager_method(method) in ("dflash", "tree") else None,
         branches=branches,
         round_costs=round_costs,
+        compiles=counter.count if method in COMPILED_METHODS else None,
     )
