@@ -50,9 +50,8 @@ def generate_file(
         extra = {}
         if compiled:
             block_size = drafter.config.block_size if drafter is not None else 0
-            extra = compiled_generate_kwargs(
-                target, static_slots(batch["input_ids"].shape[1] + max_new_tokens, block_size)
-            )
+            slots = static_slots(batch["input_ids"].shape[1] + max_new_tokens, block_size)
+            extra = compiled_generate_kwargs(target, slots, plain=drafter is None)
         begin = time.perf_counter()
         output = target.generate(
             **batch, do_sample=False, max_new_tokens=max_new_tokens, assistant_model=drafter, pad_token_id=pad_token_id,

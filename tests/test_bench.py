@@ -12,8 +12,10 @@ import torch
 from hf_dflash.bench import METHODS, generate_with, load_prompt_sets, run_bench
 from hf_dflash.bench.card import divergence_note
 from hf_dflash.bench.methods import COMPILED_METHODS, EAGER_METHODS, PLAIN_METHODS, ForwardRecorder, eager_method
+from hf_dflash.bench.recompiles import CompileCounter
 from hf_dflash.bench.report import format_table
-from hf_dflash.bench.runner import rotated
+from hf_dflash.bench.runner import Sample, rotated
+from hf_dflash.bench.summary import OVERALL, summarize
 from hf_dflash.cli import main
 from hf_dflash.hub_cards import load_benchmark
 from hf_dflash.hub_cards.schemas import BENCHMARK_SET_FIELDS, validate_benchmark
@@ -44,6 +46,7 @@ METHOD_FIELDS = {
     "divergences",
     "branch_shares",
     "round_costs",
+    "compiles",
 }
 
 
@@ -241,6 +244,47 @@ def test_recorder_without_position_ids_fails_loudly():
     target = make_target("llama")
     with pytest.raises(RuntimeError, match="position_ids"), ForwardRecorder(target):
         target(torch.tensor([[1, 2, 3]]))
+
+
+def timed(method: str, seconds: float, compiles: int | None) -> Sample:
+    """A 10-token plain answer of `method` in `seconds`, with `compiles` graphs compiled while timed."""
+    return Sample("mine", "p0", 0, method, 5, 10, seconds, None, None, None, None, compiles=compiles)
+
+
+@pytest.mark.parametrize("compiles", [0, 3])
+def test_a_compiled_row_that_compiled_while_timed_is_flagged_and_never_the_baseline(compiles):
+    """The compiled plain row is the fastest; if it compiled graphs while timed (its warm-up did not settle) it
+    is flagged with the count and the reason, and the baseline falls to the fastest settled plain row."""
+    samples = [timed("plain", 1.0, None), timed("plain-packed", 0.8, None), timed("plain-compiled", 0.5, compiles)]
+    summary = summarize(samples, ["plain", "plain-packed", "plain-compiled"], block_size=4)
+    overall = summary[OVERALL]
+    assert overall["methods"]["plain-compiled"]["compiles"] == compiles
+    assert overall["methods"]["plain"]["compiles"] is None
+    report = {"settings": {}, "sets": summary["sets"], OVERALL: overall, "methods": list(overall["methods"])}
+    table = format_table({**report, "divergences": []})
+    if compiles:
+        assert overall["baseline"] == "plain-packed"
+        assert overall["methods"]["plain-compiled"]["speedup"] == pytest.approx(1.6)
+        assert list(overall["unsettled"]) == ["plain-compiled"] and "3 graph(s) while timed" in table
+        assert "(UNSETTLED)" in table
+    else:
+        assert overall["baseline"] == "plain-compiled" and overall["unsettled"] == {}
+        assert "UNSETTLED" not in table
+
+
+def test_compile_counter_counts_the_graphs_dynamo_compiles_inside_it():
+    """Each new Python int the function reads is a guard failure and a recompile (dynamic=False)."""
+    compiled = torch.compile(lambda x, n: x * n, backend="eager", dynamic=False)
+    compiled(torch.ones(2), 1)  # warm-up, outside the counter
+    with CompileCounter() as counter:
+        compiled(torch.ones(2), 1)
+    assert counter.count == 0
+    with CompileCounter() as counter:
+        compiled(torch.ones(2), 2)
+        compiled(torch.ones(2), 3)
+    assert counter.count == 2
+    compiled(torch.ones(2), 4)
+    assert counter.count == 2  # closed: no longer counting
 
 
 def test_method_order_rotates_per_prompt():

@@ -20,12 +20,15 @@ import warnings
 import pytest
 import torch
 from transformers import CompileConfig, Gemma3ForCausalLM, Gemma3TextConfig
-from transformers.cache_utils import DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from hf_dflash import DFlashConfig, DFlashDraftModel
+from hf_dflash.bench.methods import generate_with
+from hf_dflash.caches import cache_keyword
 from hf_dflash.generation.decoding import CACHE_FIELD
 from hf_dflash.generation.drafting.block_drafter import BlockDrafter
+from hf_dflash.generation.verifying.compiling import compiled_generate_kwargs
 from hf_dflash.targets import CACHE_ENV_VAR, KNOWN_TARGETS, load_target
 from tests.conftest import COMMON, VOCAB, OracleDrafter, make_drafter
 from tests.helpers.generation import (
@@ -365,6 +368,37 @@ def test_a_static_cache_longer_than_the_window_is_refused_naming_its_sliding_lay
             cache_implementation="static", **GREEDY, **extra,
         )  # fmt: skip
     assert not hasattr(target, "_compiled_call")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["plain-compiled", "plain-packed-compiled"])
+def test_compiled_plain_decoding_past_the_window_compiles_nothing_after_its_warm_up(method):
+    """The bench's compiled plain rows on a target whose generation runs past its window: after the warm-up call
+    (4 tokens, as the bench's), 20 tokens past the window compile no graph and equal eager greedy (fp32).
+    Transformers 5.25's StaticSlidingWindowLayer keeps its length in a Python int that dynamo guards on, so with
+    it every step recompiled until dynamo's limit. One compile (~1 min)."""
+    target, input_ids = make_gemma3(BEYOND), prompt(0, length=5)
+    inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    generate_with(method, target, None, inputs, dict(max_new_tokens=4, **GREEDY))
+    timed = generate_with(method, target, None, inputs, dict(max_new_tokens=20, **GREEDY))
+    assert timed.compiles == 0
+    assert torch.equal(timed.sequences, plain_greedy(target, input_ids, max_new_tokens=20, eos_token_id=None))
+
+
+def test_compiled_plain_caches_hold_no_python_length_while_our_loop_keeps_windows_it_cannot_prove_unreached():
+    """`compiled_generate_kwargs`: plain decoding (Transformers masks each sliding layer by the config's window)
+    gets full static layers; our loop gets them only where its window covers every slot (nothing is evicted,
+    the same attention), else Transformers' sliding layers, which it refuses beyond the window."""
+    target = make_gemma3(WITHIN)
+    kinds = {
+        (slots, plain): {
+            type(layer) for layer in compiled_generate_kwargs(target, slots, plain=plain)[cache_keyword(target)].layers
+        }
+        for slots in (WITHIN, 4 * WITHIN)
+        for plain in (False, True)
+    }
+    assert kinds[(WITHIN, False)] == kinds[(WITHIN, True)] == kinds[(4 * WITHIN, True)] == {StaticLayer}
+    assert kinds[(4 * WITHIN, False)] == {StaticLayer, StaticSlidingWindowLayer}
 
 
 # --- sampling ---

@@ -16,13 +16,16 @@
              decoding step (`compile_config`, also on CPU); the cache holds the request rounded up to a
              multiple of 256 slots (a step attends over every slot: SmolLM2's fp32 compiled step costs 66 ms
              over 512 slots, 100 over 2,048); each length is a graph, compiled by an untimed warm-up call
-             the first time it comes (reported apart), never by a timed one
+             the first time it comes (reported apart), never by a timed one; sliding-window layers are full
+             static layers masked by the window (`static_cache`: Transformers' own recompiled every step)
     plain-packed-compiled  plain-packed with the same StaticCache and `compile_config` (the packed products
              reach the compiled step as one op each, `hf_dflash.packed_linears.packed_linear`)
     dflash-compiled  dflash with the same StaticCache and `compile_config`: our loop compiles its verification
              forward (one width per call: shorter rounds padded; its linear layers packed where that pays, as
              eager rounds are), the prefill stays eager
 The baseline is the fastest of the plain decodings that ran, so no speed-up is bought with a slow baseline.
+A compiled call counts the graphs compiled while it is timed (`Generation.compiles`, `recompiles.py`): a row with
+any did not settle in its warm-up, is flagged in the report and is never the baseline.
 
 Acceptance lengths (tokens committed per verification round, bonus token included): our loop reports
 them in `drafter.last_acceptance`; for the other speculative methods they are read off the target's
@@ -47,6 +50,7 @@ import torch
 from ..generation.policies.tree_size import AUTO_MAX_NODES
 from ..generation.verifying.compiling import compiled_generate_kwargs, static_slots
 from ..packed_linears import packed_linears
+from .recompiles import CompileCounter
 
 __all__ = [
     "COMPILED_METHODS",
@@ -100,6 +104,8 @@ class Generation:
     branches: dict[str, int] | None = None
     # ... and [tree nodes, target forward seconds] per round after the prefill
     round_costs: list[list[float]] | None = None
+    # compiled methods: graphs dynamo compiled during the timed call (0 once the warm-up settled); eager: None
+    compiles: int | None = None
 
 
 class ForwardTimer:
@@ -241,17 +247,18 @@ def generate_with(
     recorder = ForwardRecorder(target) if method in ("builtin", "lookup") else nullcontext()
     timer = ForwardTimer(target) if method in (*HYBRID_METHODS, *TREE_METHODS) else nullcontext()
     packing = packed_linears(target) if method in PACKED_PLAIN_METHODS else nullcontext()
+    counter = CompileCounter() if method in COMPILED_METHODS else nullcontext()
     tree_setting = getattr(drafter, "draft_tree", None) if drafter is not None else None
     if drafter is not None:  # only the tree methods draft trees
         drafter.draft_tree = TREE_SETTING if method in TREE_METHODS else None
     try:
-        with recorder, timer, packing:
+        with recorder, timer, packing, counter:
             _synchronize(target.device)
             start = time.perf_counter()
             extra = method_kwargs(method, drafter)
             if method in COMPILED_METHODS:
                 slots = slots or static_cache_slots(method, drafter, prompt_length, generation_kwargs["max_new_tokens"])
-                extra |= compiled_generate_kwargs(target, slots)
+                extra |= compiled_generate_kwargs(target, slots, plain=method in PLAIN_METHODS)
             sequences = target.generate(**inputs, **generation_kwargs, **extra)
             _synchronize(target.device)
             seconds = time.perf_counter() - start
@@ -283,4 +290,5 @@ def generate_with(
         block_sizes=block_sizes if eager_method(method) in ("dflash", "tree") else None,
         branches=branches,
         round_costs=round_costs,
+        compiles=counter.count if method in COMPILED_METHODS else None,
     )

@@ -4,7 +4,9 @@
 
     {"command": "hf-dflash bench ...", "machine": "...", "settings": {...}, "methods": ["plain", ...],
      "sets": {name: {"n": prompts, "generations": answers per method (MT-Bench: 2 per prompt),
-                     "baseline": the faster plain method ("plain" or "plain-alt", the other dtype),
+                     "baseline": the fastest settled plain method ("plain", "plain-alt" in the other dtype,
+                                 the packed and compiled ones),
+                     "unsettled": {method: why it is flagged: graphs compiled while timed},
                      "methods": {method: {"new_tokens", "seconds", "tok_s", "speedup" (vs the baseline),
                                           "tau", "rounds", "histogram" (histogram[t-1] = rounds committing t),
                                           "mean_block" (our loop: mean block length k the policy chose),
@@ -13,12 +15,14 @@
                                           "branch_shares" (hybrid: {"block", "ngram", "shared", "bonus"}
                                                            shares of the rounds' committed tokens),
                                           "round_costs" (hybrid: {"rounds", "mean_tree_size", "mean_target_ms",
-                                                         "by_tree_size": {nodes: {"rounds", "mean_target_ms"}}})}}}},
+                                                         "by_tree_size": {nodes: {"rounds", "mean_target_ms"}}}),
+                                          "compiles" (compiled methods: graphs compiled while timed; 0 once
+                                                      the warm-up settled; null for eager methods)}}}},
      "overall": {same as one set, over all of them},
      "divergences": [{"set", "prompt_id", "turn", "method", "position", "logit_gap", "reference_token",
                       "other_token"}],
      "samples": [{"set", "prompt_id", "turn", "method", "prompt_tokens", "new_tokens", "seconds",
-                  "acceptance_lengths", "identical", "divergence", "branches", "round_costs"}],
+                  "acceptance_lengths", "identical", "divergence", "branches", "round_costs", "compiles"}],
      "plots": ["acceptance_gsm8k.png", ...],
      "card": {"command", "machine", "settings", "sets": {name: {"n", "tau", "speedup", "plain_tok_s",
               "dflash_tok_s", "identical"}}} or null}   # hf_dflash.hub_cards schema, DFlash vs plain
@@ -114,7 +118,8 @@ def format_table(report: dict) -> str:
                     _number(stats["tok_s"], ".1f"),
                     _number(stats["speedup"], ".2f")
                     + ("x" if stats["speedup"] is not None else "")
-                    + (" (baseline)" if method == row.get("baseline") else ""),
+                    + (" (baseline)" if method == row.get("baseline") else "")
+                    + (" (UNSETTLED)" if method in (row.get("unsettled") or {}) else ""),
                     _identical(stats, method),
                     _histogram(stats["histogram"]),
                 )
@@ -133,6 +138,8 @@ def format_table(report: dict) -> str:
     for method in COMPILED_METHODS:
         if method in warmups:
             text.append(f"{method}: compiled in its warm-up call ({warmups[method]:.1f} s, not in tok/s)")
+    for method, reason in (report[OVERALL].get("unsettled") or {}).items():
+        text.append(f"{method} (UNSETTLED): {reason}; flagged, never the baseline")
     if report["settings"].get("prompts_run"):
         text.append("prompts run: " + prompts_run_line(report["settings"]["prompts_run"]))
     for method in HYBRID_METHODS:

@@ -43,6 +43,7 @@ class Sample:
     divergence: Divergence | None  # where it first differs from plain greedy (when not identical)
     branches: dict[str, int] | None = None  # hybrid: committed tokens by origin (see `Generation`)
     round_costs: list[list[float]] | None = None  # hybrid: [tree nodes, target forward seconds] per round
+    compiles: int | None = None  # compiled methods: graphs compiled while timed (warm-up did not settle); eager: None
 
 
 def rotated(methods: Sequence[str], index: int) -> list[str]:
@@ -94,6 +95,7 @@ def compare_turn(
                 divergence=divergence,
                 branches=generation.branches,
                 round_costs=generation.round_costs,
+                compiles=generation.compiles,
             )
         )
     return samples

@@ -4,6 +4,9 @@ Rates are totals, not means of per-prompt rates: tokens/s = all new tokens / all
 answers weigh as much as they cost. τ is the mean over all verification rounds of the set.
 Hybrid drafting also gets `branch_shares` (the committed tokens of its rounds by origin) and `round_costs`
 (tree nodes and target forward time per round, overall and per tree size); both are None for the others.
+A compiled method reports `compiles`, the graphs compiled while its calls were timed (None for eager ones): a
+plain method that compiled there (its warm-up did not settle) is no candidate for the baseline, and
+`unsettled` names it with the reason.
 """
 
 from __future__ import annotations
@@ -45,7 +48,11 @@ def summarize_method(samples: list[Sample], method: str, block_size: int, plain_
         "divergences": checked.count(False),
         "branch_shares": None,
         "round_costs": None,
+        "compiles": None,
     }
+    compiles = [sample.compiles for sample in mine if sample.compiles is not None]
+    if compiles:
+        summary["compiles"] = sum(compiles)
     blocks = [k for sample in mine for k in (sample.block_sizes or [])]
     if blocks:
         summary["mean_block"] = sum(blocks) / len(blocks)  # the block length the policy chose, on average
@@ -88,21 +95,32 @@ def round_costs(samples: list[Sample]) -> dict:
     }
 
 
+def unsettled_reason(summary: dict) -> str | None:
+    """Why a method's `summarize_method` summary is no valid row, or None: graphs compiled while timed."""
+    if summary["compiles"]:
+        return (
+            f"compiled {summary['compiles']} graph(s) while timed: its warm-up did not settle, so its seconds hold "
+            "compiles (or eager steps past dynamo's recompile limit)"
+        )
+    return None
+
+
 def summarize_samples(samples: list[Sample], methods: Sequence[str], block_size: int) -> dict:
-    """`{"n": prompts, "generations": answers per method, "baseline": method, "methods": {method: {...}}}`
-    for `samples`. Speed-ups are against the baseline: the faster of the plain methods that ran ("plain",
-    and "plain-alt" in the other dtype), so a slow dtype never inflates them."""
-    plain_rates = {
-        method: summarize_method(samples, method, block_size, None)["tok_s"]
-        for method in methods
-        if method in PLAIN_METHODS
-    }
+    """`{"n": prompts, "generations": answers per method, "baseline": method, "unsettled": {method: reason},
+    "methods": {method: {...}}}` for `samples`. Speed-ups are against the baseline: the faster of the plain
+    methods that ran ("plain", "plain-alt" in the other dtype, the packed and compiled ones), so a slow dtype never
+    inflates them; a method that compiled while timed (`unsettled_reason`) is flagged and never the baseline."""
+    alone = {method: summarize_method(samples, method, block_size, None) for method in methods}
+    unsettled = {method: reason for method in methods if (reason := unsettled_reason(alone[method])) is not None}
+    plain_rates = {method: alone[method]["tok_s"] for method in methods if method in PLAIN_METHODS}
+    plain_rates = {method: rate for method, rate in plain_rates.items() if method not in unsettled}
     baseline = max(plain_rates, key=plain_rates.get) if plain_rates else None
     baseline_tok_s = plain_rates.get(baseline)
     return {
         "n": len({(sample.set, sample.prompt_id) for sample in samples}),
         "generations": sum(sample.method == methods[0] for sample in samples),
         "baseline": baseline,
+        "unsettled": unsettled,
         "methods": {method: summarize_method(samples, method, block_size, baseline_tok_s) for method in methods},
     }
 
