@@ -319,9 +319,12 @@ def _interrupted_run(argv: list[str], environment: dict, delay: float) -> tuple[
     import time
 
     worker = str(Path(__file__).parent / "interrupt_worker.py")
+    # A pytest-xdist worker ignores SIGINT, and an ignored signal stays ignored across exec (Python then installs
+    # no KeyboardInterrupt handler): the worker gets SIGINT's default disposition, as from a shell.
     process = subprocess.Popen(
-        [sys.executable, worker, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment
-    )
+        [sys.executable, worker, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     try:
         lines = []
         for line in process.stdout:  # bounded: the process ends, or starts regenerating
