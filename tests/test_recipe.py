@@ -319,8 +319,9 @@ def _interrupted_run(argv: list[str], environment: dict, delay: float) -> tuple[
     import time
 
     worker = str(Path(__file__).parent / "interrupt_worker.py")
-    # A pytest-xdist worker ignores SIGINT, and an ignored signal stays ignored across exec (Python then installs
-    # no KeyboardInterrupt handler): the worker gets SIGINT's default disposition, as from a shell.
+    # An ignored signal stays ignored across exec, and Python then installs no KeyboardInterrupt handler: under
+    # `make test` the worker once inherited an ignored SIGINT and ran the recipe to exit 0 (both cases; never seen
+    # run alone). It gets SIGINT's default disposition, as a command started from a shell does.
     process = subprocess.Popen(
         [sys.executable, worker, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
