@@ -6,7 +6,7 @@ import torch
 
 from hf_dflash.trainer.consistency import served_tau_estimate
 from hf_dflash.trainer.sampling_tau import draft_acceptance, expected_chain_tau, sampling_tau_estimate
-from tests.conftest import OracleDrafter, make_drafter, make_target
+from tests.test_consistency import oracle_on_a_40_token_reply
 
 
 def test_acceptance_of_each_draft_rule_in_closed_form():
@@ -27,20 +27,12 @@ def test_expected_chain_tau_stops_at_the_first_slot_without_a_draft():
     assert expected_chain_tau(acceptance, drafted).tolist() == pytest.approx([1 + 0.5 + 0.25 + 0.125, 2.0])
 
 
-@pytest.mark.parametrize("block_size", [3, 5])
-def test_near_zero_temperature_equals_the_greedy_all_anchor_tau(block_size):
-    target = make_target("llama")
-    prompt = torch.tensor([[5, 17, 33, 9, 71, 12]])
-    plain = target.generate(prompt, do_sample=False, max_new_tokens=30, eos_token_id=None)
-    believed = plain.clone()
-    for position in (9, 10, 17, 25, 33):
-        believed[0, position] = (believed[0, position] + 1) % 128
-    config = make_drafter(target, block_size=block_size).config
-    drafter = OracleDrafter(config, target.lm_head.weight, believed).eval()
-    sample = {"input_ids": plain[0].tolist(), "loss_mask": [0] * prompt.shape[1] + [1] * 30}
+def test_near_zero_temperature_equals_the_greedy_all_anchor_tau():
+    target, prompt, plain, drafter = oracle_on_a_40_token_reply()
+    sample = {"input_ids": plain[0].tolist(), "loss_mask": [0] * prompt.shape[1] + [1] * 40}
     greedy = served_tau_estimate(drafter, target, [sample]).uniform_tau
     estimate = sampling_tau_estimate(drafter, target, [sample], [1e-4, 1.0], anchors_per_forward=7)
-    assert 1 < greedy < block_size
+    assert 1 < greedy < drafter.config.block_size
     for rule in ("sample", "argmax"):
         assert estimate[1e-4][rule] == pytest.approx(greedy, abs=1e-3)
     assert estimate[1.0]["top-4"] >= estimate[1.0]["top-2"] >= estimate[1.0]["argmax"]
