@@ -468,6 +468,14 @@ def test_sampling_with_a_drafter_tree_that_is_a_chain_verifies_it_as_one():
     drafter.draft_tree = 2
     torch.manual_seed(0)
     for _ in range(5):
-        out = hybrid(target, drafter, torch.tensor([[5, 17, 33, 9, 71]]), m=3, max_new_tokens=12, do_sample=True)
+        out = hybrid(
+            target,
+            drafter,
+            torch.tensor([[5, 17, 33, 9, 71]]),
+            m=3,
+            max_new_tokens=12,
+            do_sample=True,
+            eos_token_id=None,
+        )
         assert out.shape[1] == 5 + 12
     assert drafter.last_acceptance.tree_sizes
