@@ -29,7 +29,10 @@ def test_the_committed_data_matches_its_manifest(committed):
 
 
 def test_every_committed_sample_is_trainable(committed):
-    dataset, _ = committed
-    for sample in dataset:
-        assert len(sample["input_ids"]) == len(sample["loss_mask"]) <= 1024
+    """Each sample within its part's tokenized length (1,024; the long-prompt part 4,096)."""
+    dataset, manifest = committed
+    limits = {name: part["settings"]["tokenization"]["max_length"] for name, part in manifest["parts"].items()}
+    assert max(limits.values()) <= 4096
+    for sample, part in zip(dataset, dataset.parts):
+        assert len(sample["input_ids"]) == len(sample["loss_mask"]) <= limits[part]
         assert sum(sample["loss_mask"]) >= 16 and max(sample["input_ids"]) < 49152
