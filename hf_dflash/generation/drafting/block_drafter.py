@@ -63,10 +63,10 @@ def draft_temperature(drafter: DFlashDraftModel) -> float | None:
 def at_temperature(logits_processor, temperature: float) -> LogitsProcessorList:
     """The call's logits processors with its temperature warper at `temperature` (one is added first when it has
     none), the other warpers (top-k, top-p, ...) kept in their order."""
-    warper = TemperatureLogitsWarper(temperature)
-    processors = list(logits_processor or ())
-    replaced = [warper if isinstance(p, TemperatureLogitsWarper) else p for p in processors]
-    return LogitsProcessorList(replaced if replaced != processors else [warper, *processors])
+    warper, processors = TemperatureLogitsWarper(temperature), list(logits_processor or ())
+    if not any(isinstance(p, TemperatureLogitsWarper) for p in processors):
+        return LogitsProcessorList([warper, *processors])
+    return LogitsProcessorList([warper if isinstance(p, TemperatureLogitsWarper) else p for p in processors])
 
 
 class BlockDrafter:
