@@ -15,7 +15,10 @@ trained further from an earlier one's weights sees only chats it has not seen (t
 nor v3's subset drew: `--samples 5275 --seed 2 --exclude` both their subset.json files; a subset.json is
 re-made by running this script again with that subset's settings). `--parts A,B` draws only from those
 parts (new data for a drafter that saw the others); `--reserve PART` never draws the first
-`--eval-samples` chats of PART, a second fixed held-out set (`heldout_tau.py --eval-part PART`).
+`--eval-samples` chats of PART, a second fixed held-out set (`heldout_tau.py --eval-part PART`), and
+`--reserve PART:N` the first N (a scarce part keeps more of its chats for training). `--include-all PART`
+(repeatable) puts every chat of PART that is not held out, reserved or excluded in the training subset, beside the
+`--samples` drawn from the other parts: a small new part (long prompts, sampled replies) is then not left to the draw.
 
 Files are written under temporary names and renamed when complete; `subset.json` (written last) records
 the settings and the chosen sample ids. Re-running with the same settings leaves a finished folder alone;
@@ -51,14 +54,17 @@ def choose_subset(
     eval_samples: int,
     exclude: set[int] = frozenset(),
     train_parts: set[str] | None = None,
-    reserved_parts: tuple[str, ...] = (),
+    reserved_parts: tuple[str, ...] | dict[str, int] = (),
+    whole_parts: tuple[str, ...] = (),
 ) -> tuple[list[int], list[int]]:
     """(training indices, held-out indices) of a packed dataset whose sample i belongs to `parts[i]`.
 
     Held out: the first `eval_samples` of `eval_part` (the fixed held-out set of the recipe comparison
     and learning curve). Training: `count` of the others not in `exclude`, drawn with
     `random.Random(seed)`, in dataset order; only from `train_parts` when given. The first `eval_samples`
-    of each of `reserved_parts` are never drawn either (a second fixed held-out set, scored apart).
+    of each of `reserved_parts` (or the count a dict gives per part) are never drawn either (a second fixed
+    held-out set, scored apart). Every eligible sample of `whole_parts` is in the training list, beside the
+    `count` drawn from the other parts.
     """
     if isinstance(eval_samples, bool) or not isinstance(eval_samples, int) or eval_samples < 0:
         raise ValueError(f"--eval-samples {eval_samples}: must be a count >= 0 (the held-out chats of --eval-part).")
@@ -67,17 +73,32 @@ def choose_subset(
         raise ValueError(
             f"--eval-part {eval_part} has {len(held_out)} samples, fewer than --eval-samples {eval_samples}."
         )
-    unknown = sorted((set(train_parts or ()) | set(reserved_parts)) - set(parts))
+    reserve_counts = reserved_parts if isinstance(reserved_parts, dict) else dict.fromkeys(reserved_parts, eval_samples)
+    unknown = sorted((set(train_parts or ()) | set(reserve_counts) | set(whole_parts)) - set(parts))
     if unknown:
         raise ValueError(f"Part(s) {unknown} are not in the packed data; its parts: {sorted(set(parts))}.")
-    reserved = [i for part in reserved_parts for i in [j for j, p in enumerate(parts) if p == part][:eval_samples]]
+    reserved = [i for part, n in reserve_counts.items() for i in [j for j, p in enumerate(parts) if p == part][:n]]
     excluded = set(held_out) | set(exclude) | set(reserved)
+    whole = [i for i in range(len(parts)) if i not in excluded and parts[i] in whole_parts]
     candidates = [
-        i for i in range(len(parts)) if i not in excluded and (train_parts is None or parts[i] in train_parts)
+        i
+        for i in range(len(parts))
+        if i not in excluded and parts[i] not in whole_parts and (train_parts is None or parts[i] in train_parts)
     ]
     if not 1 <= count <= len(candidates):
         raise ValueError(f"--samples {count}: choose between 1 and the {len(candidates)} training samples.")
-    return sorted(random.Random(seed).sample(candidates, count)), held_out
+    return sorted(whole + random.Random(seed).sample(candidates, count)), held_out
+
+
+def parse_reserve(values: list[str], eval_samples: int) -> dict[str, int]:
+    """`--reserve PART` or `PART:N` values -> {part: chats held out}; N defaults to `--eval-samples`."""
+    counts = {}
+    for value in values:
+        part, _, n = value.partition(":")
+        if n and not (n.isdigit() and int(n) > 0):
+            raise ValueError(f"--reserve {value}: the count after ':' must be a whole number > 0 (PART or PART:N).")
+        counts[part] = int(n) if n else eval_samples
+    return counts
 
 
 def read_train_ids(path: Path) -> set[str]:
@@ -117,7 +138,15 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="PART",
-        help="never draw the first --eval-samples chats of PART (a second held-out set; repeatable)",
+        help="never draw the first --eval-samples (or N) chats of PART, given as PART or PART:N (a second "
+        "held-out set; repeatable)",
+    )
+    parser.add_argument(
+        "--include-all",
+        action="append",
+        default=[],
+        metavar="PART",
+        help="train on every eligible chat of PART, beside the --samples drawn from the other parts (repeatable)",
     )
     args = parser.parse_args(argv)
     return run_reporting_errors("offline_subset.py", lambda: write_subset(args))
@@ -150,6 +179,8 @@ def write_locked(args: argparse.Namespace, out: Path, excluded_ids: dict[str, se
         settings["parts"] = train_parts
     if args.reserve:
         settings["reserve"] = list(args.reserve)
+    if args.include_all:
+        settings["include_all"] = sorted(set(args.include_all))
     record_path = out / RECORD
     if record_path.is_file():
         if read_json_object(record_path, "subset record").get("settings") == settings:
@@ -169,7 +200,8 @@ def write_locked(args: argparse.Namespace, out: Path, excluded_ids: dict[str, se
         args.eval_samples,
         exclude,
         None if train_parts is None else set(train_parts),
-        tuple(args.reserve),
+        parse_reserve(args.reserve, args.eval_samples),
+        tuple(sorted(set(args.include_all))),
     )
     for start in range(0, len(train), SAMPLES_PER_FILE):
         chunk = [dataset[i] for i in train[start : start + SAMPLES_PER_FILE]]

@@ -290,6 +290,34 @@ def test_offline_subset_draws_from_the_given_parts_and_never_from_a_reserved_set
     assert "['nope'] are not in the packed data" in capsys.readouterr().err
 
 
+def test_offline_subset_trains_on_every_chat_of_an_included_part_and_reserves_a_given_count(tmp_path, capsys):
+    """`--include-all PART` trains on all of a small new part (not left to the draw); `--reserve PART:N` holds out
+    its first N chats only."""
+    from hf_dflash.data.packed import pack_tokenized
+    from tests.helpers.data import SETTINGS, make_char_tokenizer, sample, write_tokenized
+
+    packed, tok = tmp_path / "packed", make_char_tokenizer()
+    for part, source, count in [("old", "code", 8), ("held", "math", 3), ("long", "story", 6)]:
+        write_tokenized(tmp_path / part, "tokenized-00000.jsonl", [sample(i, source) for i in range(count)])
+        pack_tokenized(tmp_path / part, packed, part=part, settings=SETTINGS, tokenizer=tok)
+    common = ["--data", str(packed), "--eval-part", "held", "--eval-samples", "2", "--include-all", "long"]
+    argv = [*common, "--out", str(tmp_path / "a"), "--samples", "3", "--reserve", "long:1"]
+    assert offline_subset.main(argv) == 0
+    record = json.loads((tmp_path / "a" / "subset.json").read_text())
+    train = record["train_ids"]
+    assert [i for i in train if i.startswith("story")] == [f"story:{i}" for i in range(1, 6)]  # all but the first
+    assert len([i for i in train if not i.startswith("story")]) == 3 and not {"math:0", "math:1"} & set(train)
+    assert record["settings"]["include_all"] == ["long"] and record["settings"]["reserve"] == ["long:1"]
+    # without a count the part reserves --eval-samples chats; the draw never reaches into an included part
+    assert offline_subset.main([*common, "--out", str(tmp_path / "b"), "--samples", "8", "--reserve", "long"]) == 0
+    train = json.loads((tmp_path / "b" / "subset.json").read_text())["train_ids"]
+    assert sorted(i for i in train if i.startswith("story")) == [f"story:{i}" for i in range(2, 6)]
+    assert offline_subset.main([*common, "--out", str(tmp_path / "c"), "--samples", "10"]) == 2
+    assert "the 9 training samples" in capsys.readouterr().err  # 8 code chats and math:2
+    assert offline_subset.main([*common, "--out", str(tmp_path / "d"), "--samples", "1", "--reserve", "long:x"]) == 2
+    assert "--reserve long:x" in capsys.readouterr().err
+
+
 regenerate_range = load_module("scripts/regenerate_range.py")
 
 
