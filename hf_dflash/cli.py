@@ -173,9 +173,11 @@ def _run_cache_features(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             shard_size_bytes=int(args.shard_size_mb * 2**20),
             target_name=args.target,
+            teacher_top_k=args.teacher_top_k,
             lock=False,
         )
-    print(f"Wrote {args.target} features of layers {layer_ids} to {out}")
+    teacher = f" and its top-{args.teacher_top_k} next tokens" if args.teacher_top_k else ""
+    print(f"Wrote {args.target} features of layers {layer_ids}{teacher} to {out}")
     return 0
 
 
@@ -213,6 +215,13 @@ def register_cache_features(subparsers) -> None:
     )
     parser.add_argument("--batch-size", type=int, default=4, help="samples per target forward (default: 4)")
     parser.add_argument("--shard-size-mb", type=float, default=256, help="shard size in MiB (default: 256)")
+    parser.add_argument(
+        "--teacher-top-k",
+        type=int,
+        default=0,
+        help="also store the target's K most likely next tokens and log-probabilities at every position, the "
+        "teacher of offline distillation (training.loss_type kl / ce+kl); 0: features only (default)",
+    )
 
 
 def _run_prepare_data(args: argparse.Namespace) -> int:

@@ -1,7 +1,9 @@
 """The target's features for the drafter: the outputs of its `target_layer_ids` layers, concatenated.
 
 Serving reads them from the verification forward (`target_layer_features`); training runs one causal
-forward over a whole chat (`compute_target_features`).
+forward over a whole chat (`compute_target_features`), with the target's logits at label positions for online
+distillation (`compute_target_features_and_logits`) or its top-K next-token log-probabilities at every position for
+the offline cache (`compute_target_features_and_top_logprobs`).
 """
 
 import torch
@@ -57,3 +59,44 @@ def compute_target_features_and_logits(
     )
     features = target_layer_features(outputs.hidden_states, target_layer_ids, input_ids.shape[1])
     return features, outputs.logits[rows, index]
+
+
+@torch.no_grad()
+def compute_target_features_and_top_logprobs(
+    target: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    target_layer_ids: list[int],
+    attention_mask: torch.Tensor | None,
+    top_k: int,
+    chunk_tokens: int = 512,
+) -> tuple[torch.Tensor, torch.LongTensor, torch.Tensor]:
+    """Features as `compute_target_features`, plus the target's K most likely next tokens at every position.
+
+    Returns (features (B, S, n*Ht), ids (B, S, K) long, log-probabilities (B, S, K) float32, descending): row t
+    holds the target's distribution over token t + 1 (a soft teacher for offline distillation). The LM head runs
+    `chunk_tokens` positions at a time, so (B, S, V) logits never exist at once. The logits are the model's own:
+    the decoder's last hidden state through the LM head, then `final_logit_softcapping` where the config sets
+    it, as Gemma's causal-LM forward does.
+    """
+    if top_k < 1 or top_k > target.config.get_text_config().vocab_size:
+        raise ValueError(f"top_k={top_k}: choose between 1 and the target's vocabulary size.")
+    outputs = target.get_decoder()(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        output_hidden_states=[i + 1 for i in target_layer_ids],
+        use_cache=False,
+    )
+    features = target_layer_features(outputs.hidden_states, target_layer_ids, input_ids.shape[1])
+    head, cap = (
+        target.get_output_embeddings(),
+        getattr(target.config.get_text_config(), "final_logit_softcapping", None),
+    )
+    ids, logprobs = [], []
+    for start in range(0, input_ids.shape[1], chunk_tokens):
+        logits = head(outputs.last_hidden_state[:, start : start + chunk_tokens]).float()  # (B, chunk, V)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        top = logits.log_softmax(-1).topk(top_k, dim=-1)
+        ids.append(top.indices)
+        logprobs.append(top.values)
+    return features, torch.cat(ids, 1), torch.cat(logprobs, 1)

@@ -65,6 +65,70 @@ def test_cached_features_equal_single_sample_forward(target, data, tmp_path, dty
         assert item["loss_mask"].tolist() == sample["loss_mask"]
 
 
+def softcapped_gemma3():
+    """A tiny Gemma 3 text model whose causal-LM forward soft-caps the logits (tanh(x / 5) * 5)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=4, final_logit_softcapping=5.0,
+    )  # fmt: skip
+    return Gemma3ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3-softcapped"])
+def test_the_cached_teacher_is_the_targets_own_top_k_next_token_distribution(target, data, tmp_path, arch):
+    """`teacher_top_k` K: per sample, the K most likely next tokens of the model's own logits (causal-LM forward,
+    soft-capping included) at every position, with their log-probabilities, beside the same features."""
+    model = target if arch == "llama" else softcapped_gemma3()
+    out = cache_features(model, data, tmp_path / "f", LAYER_IDS, torch.float32, batch_size=3, teacher_top_k=5)
+    assert json.loads((out / "index.json").read_text())["teacher_top_k"] == 5
+    dataset = open_dataset(out, data, hidden_size=model.config.hidden_size)
+    assert dataset.teacher_top_k == 5
+    for sample, item in zip(ALL, dataset):
+        ids = torch.tensor([sample["input_ids"]])
+        logprobs = model(ids).logits[0].float().log_softmax(-1)  # (S, V): row t predicts token t + 1
+        top = logprobs.topk(5, dim=-1)
+        assert item["teacher_ids"].dtype == torch.long and item["teacher_ids"].shape == (len(ids[0]), 5)
+        torch.testing.assert_close(item["teacher_logprobs"], top.values, atol=1e-5, rtol=0)
+        torch.testing.assert_close(logprobs.gather(-1, item["teacher_ids"]), top.values, atol=1e-5, rtol=0)
+        alone = compute_target_features(model, ids, LAYER_IDS)[0]
+        torch.testing.assert_close(item["target_hidden_states"], alone, atol=1e-5, rtol=0)
+
+
+def test_a_cache_resumed_with_another_teacher_is_refused(target, data, tmp_path):
+    cache_features(target, data, tmp_path / "f", LAYER_IDS, teacher_top_k=4)
+    with pytest.raises(ValueError, match="teacher_top_k=4, this run asks for 8"):
+        cache_features(target, data, tmp_path / "f", LAYER_IDS, teacher_top_k=8)
+    with pytest.raises(ValueError, match="teacher_top_k=4, this run asks for 0"):
+        cache_features(target, data, tmp_path / "f", LAYER_IDS)
+    with pytest.raises(ValueError, match="teacher_top_k must be a count"):
+        cache_features(target, data, tmp_path / "g", LAYER_IDS, teacher_top_k=-1)
+    index = json.loads((tmp_path / "f" / "index.json").read_text())
+    (tmp_path / "f" / "index.json").write_text(json.dumps({**index, "teacher_top_k": 7}))  # not what the shards hold
+    with pytest.raises(ValueError, match=r"expected I32 \[\d+, 7\] \('a.teacher_ids'\), found I32 \[\d+, 4\]"):
+        open_dataset(tmp_path / "f", data)
+
+
+def test_top_k_teacher_keeps_the_k_and_spreads_the_rest_evenly():
+    from hf_dflash.trainer.maths import target_to_draft_index, top_k_teacher_logits
+
+    logprobs = torch.randn(3, 10).log_softmax(-1)
+    top = logprobs.topk(4, dim=-1)
+    dense = top_k_teacher_logits(top.indices, top.values, 10)
+    torch.testing.assert_close(dense.exp().sum(-1), torch.ones(3))
+    torch.testing.assert_close(dense.gather(-1, top.indices), top.values)
+    others = torch.ones(3, 10, dtype=torch.bool).scatter(1, top.indices, False)
+    rest = (1 - top.values.exp().sum(-1, keepdim=True)) / 6
+    torch.testing.assert_close(dense[others].view(3, 6), rest.log().expand(3, 6))
+    torch.testing.assert_close(top_k_teacher_logits(*logprobs.topk(10, dim=-1)[::-1], 10), logprobs)  # K = V: exact
+    t2d = torch.zeros(10, dtype=torch.bool)
+    t2d[[1, 4, 5, 8]] = True
+    in_draft = top_k_teacher_logits(top.indices, top.values, 10, target_to_draft_index(t2d))
+    torch.testing.assert_close(in_draft, dense[:, [1, 4, 5, 8]])  # the same values over the draft ids, in id order
+
+
 @pytest.mark.parametrize("crash", ["before_write", "after_rename", "torn_log"])
 def test_interrupted_run_resumes_to_the_same_cache(target, data, tmp_path, monkeypatch, crash):
     reference = cache_features(target, data, tmp_path / "reference", LAYER_IDS, batch_size=2, shard_size_bytes=1)
@@ -248,6 +312,9 @@ def test_cli_cache_features(target, data, tmp_path, monkeypatch, capsys):
     assert main([*args, "--target-layer-ids", "1,3", "--dtype", "float16", "--batch-size", "3"]) == 0
     index = json.loads((out / "index.json").read_text())
     assert index["target"]["name"] == "tiny" and index["target_layer_ids"] == [1, 3] and index["dtype"] == "float16"
+    assert main([*args, "--target-layer-ids", "1,3", "--teacher-top-k", "6", "--out", str(tmp_path / "t")]) == 0
+    assert json.loads((tmp_path / "t" / "index.json").read_text())["teacher_top_k"] == 6
+    assert "and its top-6 next tokens" in capsys.readouterr().out
     assert main([*args, "--target-layer-ids", "1,9"]) == 2
     assert "target_layer_ids=[1, 9]" in capsys.readouterr().err
 

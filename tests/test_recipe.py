@@ -95,6 +95,24 @@ def test_tiny_recipe_reaches_an_exported_drafter_and_a_rerun_skips_every_stage(f
     assert second.count("done already") == len(STAGES) and "rough ETA" not in second
 
 
+def test_a_distilling_recipe_caches_the_targets_top_k_beside_its_features_and_trains_on_them(tmp_path, capsys):
+    """features.enabled with training.loss_type ce+kl: the features stage also caches the target's top-32 next
+    tokens (teacher_top_k null: 32 when distilling) and training reads them offline."""
+    argv, config = tiny_recipe(tmp_path)
+    config["features"] = {"enabled": True, "batch_size": 4}
+    config["drafter"] = {"target_layer_ids": [1, 3]}
+    config["training"].update(loss_type="ce+kl", max_steps=2)
+    config["heldout"], config["bench"] = {"enabled": False}, {"enabled": False}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(config))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(corpus, "load_eval_suite", lambda: EVAL_SUITE)
+        assert main(argv) == 0, capsys.readouterr().err
+    assert "and the target's top-32" in capsys.readouterr().out
+    assert json.loads((tmp_path / "out" / "features" / "index.json").read_text())["teacher_top_k"] == 32
+    state = json.loads((tmp_path / "out" / "drafter" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 and all(entry["loss"] > 0 for entry in state["log_history"] if "loss" in entry)
+
+
 def test_interrupted_and_half_written_stages_resume_and_changed_settings_are_refused(finished, monkeypatch, capsys):
     root, argv, _ = finished
     out = root / "out"
@@ -260,6 +278,11 @@ WHOLE_RECIPE_CASES = {
     "missing bench prompts": ({"bench": {"prompts": "MISSING"}}, (), "bench.prompts"),
     "missing data prompts": ({"data": {"prompts": "MISSING"}}, (), "data.prompts"),
     "zero feature batch": ({"features": {"enabled": True, "batch_size": 0}}, (), "features.batch_size"),
+    "distilling without a teacher": (
+        {"features": {"enabled": True, "teacher_top_k": 0}, "training": {"loss_type": "kl", "feature_mode": "offline"}},
+        (),
+        "features.teacher_top_k: 0 caches no teacher",
+    ),
     "two block sizes": ({"drafter": {"block_size": 8}}, (), "drafter.block_size=8 differs from training.block_size=4"),
     "layer past the target": ({"drafter": {"target_layer_ids": [1, 9]}}, (), "target_layer_ids"),
     "draft vocabulary too large": ({"drafter": {"draft_vocab_size": 10**6}}, (), "draft_vocab_size"),

@@ -153,8 +153,8 @@ def test_arguments_validate():
         DFlashTrainingArguments(output_dir="x", feature_mode="cached", report_to=[])
     with pytest.raises(ValueError, match="position_weighting"):
         DFlashTrainingArguments(output_dir="x", position_weighting="linear", report_to=[])
-    with pytest.raises(ValueError, match="dpace"):
-        DFlashTrainingArguments(output_dir="x", position_weighting="dpace", loss_type="kl", report_to=[])
+    with pytest.raises(ValueError, match="distill_weight"):
+        DFlashTrainingArguments(output_dir="x", loss_type="ce+kl", distill_weight=1.5, report_to=[])
     with pytest.raises(ValueError, match="dpace_alpha"):
         DFlashTrainingArguments(output_dir="x", position_weighting="dpace", dpace_alpha=0, report_to=[])
     with pytest.raises(ValueError, match="anchor_decay_tokens"):
@@ -264,6 +264,70 @@ def test_offline_features_give_the_online_loss(tmp_path):
         with torch.no_grad():
             losses[mode] = trainer.compute_loss(drafter, batch)
     torch.testing.assert_close(losses["offline"], losses["online"], rtol=1e-5, atol=1e-6)
+
+
+def write_samples(folder, data) -> None:
+    import json
+
+    folder.mkdir()
+    with (folder / "tokenized-00000.jsonl").open("w") as handle:
+        for i, sample in enumerate(data):
+            handle.write(json.dumps({"id": f"s{i}", **sample}) + "\n")
+
+
+@pytest.mark.parametrize("loss_type", ["kl", "ce+kl"])
+@pytest.mark.parametrize("vocabulary", ["full", "pruned"])
+@pytest.mark.parametrize("weighting", ["decay", "dpace"])
+def test_offline_distillation_from_a_whole_cached_teacher_gives_the_online_loss(
+    tmp_path, loss_type, vocabulary, weighting
+):
+    """The target's distribution cached in full (top-K with K = V) and read back offline: the same loss as
+    distilling from the live target, for KL and the CE+KL mix, full or pruned draft vocabulary, both weightings."""
+    from hf_dflash.trainer import OfflineFeatureDataset, cache_features
+    from tests.conftest import VOCAB, pruned_drafter
+
+    target = make_target("llama")
+    drafter = (
+        make_drafter(target, block_size=BLOCK) if vocabulary == "full" else pruned_drafter(target, block_size=BLOCK)
+    )
+    data = samples(count=4)
+    write_samples(tmp_path / "tok", data)
+    cache_features(target, tmp_path / "tok", tmp_path / "features", [1, 3], dtype=torch.float32, teacher_top_k=VOCAB)
+    offline = OfflineFeatureDataset(tmp_path / "features", tmp_path / "tok", target_layer_ids=[1, 3], hidden_size=32)
+    losses = {}
+    for mode, dataset in (("online", data), ("offline", [offline[i] for i in range(4)])):
+        collator = DFlashDataCollator(
+            BLOCK, 6, drafter.config.mask_token_id, 3.0, generator=torch.Generator().manual_seed(0)
+        )
+        settings = dict(feature_mode=mode, loss_type=loss_type, position_weighting=weighting, distill_weight=0.3)
+        trainer = DFlashTrainer(drafter, arguments(tmp_path / mode, **settings), target=target, data_collator=collator)
+        with torch.no_grad():
+            losses[mode] = trainer.compute_loss(drafter, collator(dataset))
+    torch.testing.assert_close(losses["offline"], losses["online"], rtol=1e-5, atol=1e-6)
+    ce = DFlashTrainer(drafter, arguments(tmp_path / "ce", feature_mode="offline"), target=target)
+    with torch.no_grad():
+        assert not torch.isclose(ce.compute_loss(drafter, collator(dataset)), losses["offline"])  # the KL counts
+
+
+def test_offline_distillation_refuses_a_cache_without_a_teacher(tmp_path):
+    from hf_dflash.trainer import OfflineFeatureDataset, cache_features
+
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=BLOCK)
+    write_samples(tmp_path / "tok", samples(count=2))
+    cache_features(target, tmp_path / "tok", tmp_path / "features", [1, 3], dtype=torch.float32)
+    offline = OfflineFeatureDataset(tmp_path / "features", tmp_path / "tok", target_layer_ids=[1, 3], hidden_size=32)
+    collator = DFlashDataCollator(BLOCK, 6, drafter.config.mask_token_id, 3.0)
+    args = arguments(tmp_path / "kl", feature_mode="offline", loss_type="kl")
+    trainer = DFlashTrainer(drafter, args, target=target, data_collator=collator)
+    with pytest.raises(ValueError, match="cache-features --teacher-top-k"):
+        trainer.compute_loss(drafter, collator([offline[0], offline[1]]))
+    # ... and training from a config refuses it before the first step
+    from hf_dflash.trainer.train import build_datasets
+
+    section = {"features": str(tmp_path / "features"), "tokenized": str(tmp_path / "tok")}
+    with pytest.raises(ValueError, match="loss_type='kl' offline .* --teacher-top-k 32"):
+        build_datasets(section, args, drafter, 128)
 
 
 def test_flex_block_mask_equals_the_dense_mask_and_gives_the_same_forward():

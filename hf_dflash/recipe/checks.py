@@ -49,6 +49,14 @@ def check_recipe_settings(config: dict) -> None:
         raise ValueError("data.sources is empty and data.prompts is null: give sources and/or a prompts file.")
     if config["features"]["enabled"]:
         _count("features.batch_size", config["features"]["batch_size"], 1)
+        top_k, loss_type = config["features"]["teacher_top_k"], config["training"].get("loss_type", "ce")
+        if top_k is not None:
+            _count("features.teacher_top_k", top_k, 0, " (0: features only; null: 32 when distilling)")
+        if top_k == 0 and loss_type != "ce":
+            raise ValueError(
+                f"features.teacher_top_k: 0 caches no teacher, but training.loss_type={loss_type!r} distils the "
+                "target's distribution; set it > 0 (or null: 32)."
+            )
     bench = config["bench"]
     if bench["enabled"]:
         _count("bench.num_prompts", bench["num_prompts"], 0, " (0: every prompt)")

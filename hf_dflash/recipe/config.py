@@ -8,7 +8,8 @@ seed: 0
 data: {sources: [...], prompts: null, max_prompts: null, max_new_tokens: 512, temperature: 0.0,
        batch_size: 64, shard_size: 256, max_length: 3072, max_prompt_tokens: 512,
        samples_per_shard: 2048, eval_samples: 32}
-features: {enabled: false, dtype: bfloat16, batch_size: 4}   # offline features (training.feature_mode)
+features: {enabled: false, dtype: bfloat16, batch_size: 4,   # offline features (training.feature_mode)
+           teacher_top_k: null}  # the target's top-K per position; null: 32 when training.loss_type distils
 drafter: {}                     # `hf-dflash train`'s drafter section; missing choices are derived
 training: {}                    # DFlashTrainingArguments fields (output_dir is the recipe's)
 heldout: {enabled: true}        # served-walk tau on data.eval_samples held-out chats
@@ -48,7 +49,7 @@ DEFAULTS: dict = {
         "samples_per_shard": 2048,
         "eval_samples": 32,
     },
-    "features": {"enabled": False, "dtype": "bfloat16", "batch_size": 4},
+    "features": {"enabled": False, "dtype": "bfloat16", "batch_size": 4, "teacher_top_k": None},
     "drafter": {},
     "training": {},
     "heldout": {"enabled": True},

@@ -187,15 +187,29 @@ def _run_features(run: RecipeRun) -> str:
     layer_ids = run.train_config["drafter"].get("target_layer_ids")
     if layer_ids is None:  # drafter.init_from: the loaded drafter's layers are not known before it loads
         raise ValueError("features.enabled needs drafter.target_layer_ids in the recipe config with drafter.init_from.")
+    top_k = teacher_top_k(run.config)
     cache_features(
         run.target()[0], run.path("tokenized"), run.path("features"), layer_ids, dtype=resolve_dtype(section["dtype"]),
-        batch_size=section["batch_size"], target_name=run.config["target"],
+        batch_size=section["batch_size"], target_name=run.config["target"], teacher_top_k=top_k,
     )  # fmt: skip
-    return f"features of layers {layer_ids}"
+    return f"features of layers {layer_ids}" + (f" and the target's top-{top_k}" if top_k else "")
+
+
+def teacher_top_k(config: dict) -> int:
+    """features.teacher_top_k, or when null: 32 if training.loss_type distils (kl, ce+kl), else 0."""
+    chosen = config["features"].get("teacher_top_k")
+    if chosen is not None:
+        return chosen
+    return 0 if config["training"].get("loss_type", "ce") == "ce" else 32
 
 
 def _features_settings(run: RecipeRun) -> dict:
-    return {**run.config["features"], "target_layer_ids": run.train_config["drafter"].get("target_layer_ids")}
+    settings = {key: value for key, value in run.config["features"].items() if key != "teacher_top_k"}
+    if top_k := teacher_top_k(
+        run.config
+    ):  # recorded only when cached: runs from before the teacher resume as they were
+        settings["teacher_top_k"] = top_k
+    return {**settings, "target_layer_ids": run.train_config["drafter"].get("target_layer_ids")}
 
 
 def _run_train(run: RecipeRun) -> str:

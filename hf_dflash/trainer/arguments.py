@@ -7,7 +7,7 @@ from transformers import TrainingArguments
 from ..modeling_dflash import DFlashConfig
 from .maths import default_decay_gamma
 
-LOSS_TYPES = ("ce", "kl")
+LOSS_TYPES = ("ce", "kl", "ce+kl")
 POSITION_WEIGHTINGS = ("decay", "dpace")
 FEATURE_MODES = ("online", "offline")
 
@@ -40,16 +40,21 @@ class DFlashTrainingArguments(TrainingArguments):
     loss_type: str = field(
         default="ce",
         metadata={
-            "help": "'ce': cross-entropy on the target's own (greedy) tokens; 'kl': distil the target's "
-            "distribution at each label position, KL(p_target || q_draft) (online features only)."
+            "help": "'ce': cross-entropy on the target's own tokens; 'kl': distil the target's distribution at each "
+            "label position, KL(p_target || q_draft) (online: from the target's forward; offline: from a feature "
+            "cache made with `cache-features --teacher-top-k K`); 'ce+kl': (1 - distill_weight) * CE + "
+            "distill_weight * KL."
         },
+    )
+    distill_weight: float = field(
+        default=0.5, metadata={"help": "loss_type 'ce+kl': the KL's share of each position's loss, in [0, 1]."}
     )
     position_weighting: str = field(
         default="decay",
         metadata={
             "help": "'decay': slot k weighted exp(-(k-1)/gamma) (the paper); 'dpace': D-PACE (arXiv 2605.18810), "
             "each slot weighted by its share of the expected accepted length under the drafter's current "
-            "confidence (cross-entropy only; the loss is normalised per micro-batch)."
+            "confidence in the label (whatever the loss; normalised per micro-batch)."
         },
     )
     dpace_alpha: float = field(
@@ -115,16 +120,16 @@ class DFlashTrainingArguments(TrainingArguments):
             raise ValueError(
                 f"position_weighting must be one of {POSITION_WEIGHTINGS}, got {self.position_weighting!r}."
             )
-        if self.position_weighting == "dpace" and self.loss_type != "ce":
-            raise ValueError(f"position_weighting='dpace' weights the cross-entropy; got loss_type={self.loss_type!r}.")
+        if not 0 <= self.distill_weight <= 1:
+            raise ValueError(
+                f"distill_weight must be in [0, 1] (the KL's share of 'ce+kl'), got {self.distill_weight!r}."
+            )
         if self.selector_learning_rate is not None and not self.selector_learning_rate > 0:
             raise ValueError(f"selector_learning_rate must be > 0 (or None), got {self.selector_learning_rate!r}.")
         if not self.selector_loss_weight >= 0:
             raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight!r}.")
         if not 0 < self.dpace_alpha <= 1:
             raise ValueError(f"dpace_alpha must be in (0, 1], got {self.dpace_alpha!r}.")
-        if self.loss_type == "kl" and self.feature_mode != "online":
-            raise ValueError("loss_type='kl' needs the target's logits in each step: use feature_mode='online'.")
         if self.remove_unused_columns:
             raise ValueError("remove_unused_columns=True would drop loss_mask; DFlash training needs False.")
         if self.loss_decay_gamma is None:

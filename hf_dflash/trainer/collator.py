@@ -9,7 +9,8 @@ from .maths import build_blocks, select_anchors
 
 @dataclass
 class DFlashDataCollator:
-    """Turns samples `{"input_ids", "loss_mask"[, "target_hidden_states"]}` into a training batch.
+    """Turns samples `{"input_ids", "loss_mask"[, "target_hidden_states"[, "teacher_ids", "teacher_logprobs"]]}`
+    into a training batch (cached tensors right-padded with zeros to (B, S, ...)).
 
     Anchors are drawn here, so every step (and every epoch) sees new blocks of the same data, and the
     Trainer knows the batch's total loss weight before the forward (for exact normalisation over
@@ -48,10 +49,15 @@ class DFlashDataCollator:
                 input_ids, loss_mask, anchor_positions, anchor_valid, self.block_size, self.mask_token_id, self.gamma
             ),
         }
-        if "target_hidden_states" in samples[0]:
-            width = samples[0]["target_hidden_states"].shape[-1]
-            features = torch.zeros((len(samples), seq_len, width), dtype=samples[0]["target_hidden_states"].dtype)
-            for row, (sample, length) in enumerate(zip(samples, lengths)):
-                features[row, :length] = sample["target_hidden_states"]
-            batch["target_hidden_states"] = features
+        for name in ("target_hidden_states", "teacher_ids", "teacher_logprobs"):
+            if name in samples[0]:
+                batch[name] = pad_rows([sample[name] for sample in samples], seq_len)
         return batch
+
+
+def pad_rows(tensors: list[torch.Tensor], seq_len: int) -> torch.Tensor:
+    """(S_i, W) tensors -> (B, seq_len, W), zeros after each."""
+    padded = torch.zeros((len(tensors), seq_len, tensors[0].shape[-1]), dtype=tensors[0].dtype)
+    for row, tensor in enumerate(tensors):
+        padded[row, : tensor.shape[0]] = tensor
+    return padded

@@ -293,20 +293,52 @@ def weighted_kl_sum(
     weights: torch.Tensor,
     draft_head: tuple[torch.Tensor, torch.LongTensor] | None = None,
 ) -> torch.Tensor:
-    """Σ w * KL(p_teacher || q_draft) over N positions.
+    """Σ w * KL(p_teacher || q_draft) over N positions: `position_kl` weighted by `weights` (N,)."""
+    return (position_kl(student_logits, teacher_logits, draft_head) * weights).sum()
+
+
+def position_kl(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    draft_head: tuple[torch.Tensor, torch.LongTensor] | None = None,
+) -> torch.Tensor:
+    """(N,) KL(p_teacher || q_draft) at N positions.
 
     student_logits (N, V') the drafter's logits there (`selected_logits`, over a pruned draft vocabulary's N'
-    ids when `draft_head` is given, as in `position_cross_entropy`); teacher_logits (N, V) the target's;
-    weights (N,). With a draft vocabulary both distributions are taken over its N' ids (the teacher
-    renormalised there): the drafter cannot propose the others.
+    ids when `draft_head` is given, as in `position_cross_entropy`); teacher_logits (N, V) the target's (or
+    (N, N') already over the draft ids, as `top_k_teacher_logits` gives them). With a draft vocabulary both
+    distributions are taken over its N' ids (the teacher renormalised there): the drafter cannot propose the others.
     """
     teacher = teacher_logits.float()
-    if draft_head is not None:
+    if draft_head is not None and teacher.shape[-1] != student_logits.shape[-1]:
         _, target_to_draft = draft_head
         teacher = teacher[:, (target_to_draft >= 0).nonzero().squeeze(1)]  # ascending: draft index order
     student = student_logits.float()
-    kl = F.kl_div(student.log_softmax(-1), teacher.log_softmax(-1), log_target=True, reduction="none").sum(-1)
-    return (kl * weights).sum()
+    return F.kl_div(student.log_softmax(-1), teacher.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+
+
+def top_k_teacher_logits(
+    top_ids: torch.LongTensor,
+    top_logprobs: torch.Tensor,
+    vocab_size: int,
+    target_to_draft: torch.LongTensor | None = None,
+) -> torch.Tensor:
+    """The target's distribution rebuilt from its cached top-K: (N, K) ids and log-probabilities -> (N, V) log-probs
+    (or (N, N') over a draft vocabulary's ids, `target_to_draft` as in `target_to_draft_index`).
+
+    The K kept exactly; the mass they leave, 1 - Σ p_k, spread evenly over the other V - K ids, so the rebuilt
+    distribution is the target's wherever it matters and never zero (the KL stays finite). Exact when K = V.
+    """
+    n, k = top_ids.shape
+    rest = (1 - top_logprobs.float().exp().sum(-1)).clamp_min(1e-12) / max(vocab_size - k, 1)  # (N,)
+    columns, width = top_ids, vocab_size
+    if target_to_draft is not None:
+        columns, width = target_to_draft[top_ids], int((target_to_draft >= 0).sum())
+    dense = rest.log()[:, None].expand(n, width).clone()
+    kept = columns >= 0  # an id outside the draft vocabulary: the drafter cannot propose it
+    rows = torch.arange(n, device=top_ids.device)[:, None].expand(n, k)
+    dense[rows[kept], columns[kept]] = top_logprobs.float()[kept]
+    return dense
 
 
 def acceptance_estimate(

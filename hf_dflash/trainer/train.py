@@ -241,6 +241,12 @@ def build_datasets(section: dict, args: DFlashTrainingArguments, drafter: DFlash
             target_layer_ids=drafter.config.target_layer_ids,
             hidden_size=drafter.config.target_hidden_size,
         )
+        if args.loss_type != "ce" and not dataset.teacher_top_k:
+            raise ValueError(
+                f"training.loss_type={args.loss_type!r} offline distils the target's distribution, which the feature "
+                f"cache {section['features']} does not hold: re-run hf-dflash cache-features --teacher-top-k 32 "
+                "--out <new folder> (or train with loss_type 'ce', or feature_mode 'online')."
+            )
     elif is_packed(section["tokenized"]):  # a packed folder (e.g. the repository's data/): token ids + masks
         dataset = PackedDataset(section["tokenized"], vocab_size=vocab_size, parts=section.get("parts"))
     else:

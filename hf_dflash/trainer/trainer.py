@@ -21,10 +21,11 @@ from .maths import (
     block_predecessors,
     dpace_block_weights,
     position_cross_entropy,
+    position_kl,
     selected_logits,
     selector_cross_entropy,
     target_to_draft_index,
-    weighted_kl_sum,
+    top_k_teacher_logits,
 )
 
 
@@ -151,20 +152,12 @@ class DFlashTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         drafter = self.accelerator.unwrap_model(model)
         weights = inputs["loss_weights"]
-        teacher_logits = None
-        if self.args.loss_type == "kl":  # the target's distribution at every supervised label (one forward)
-            rows, slots = (weights > 0).nonzero(as_tuple=True)
-            label_positions = torch.stack([rows, inputs["block_positions"][rows, slots]], -1)
-            features, teacher_logits = compute_target_features_and_logits(
-                self.target, inputs["input_ids"], self.target_layer_ids, inputs["attention_mask"], label_positions
-            )
-        else:
-            features = self.target_features(inputs)
+        supervised = weights > 0
+        features, teacher_logits = self.features_and_online_teacher(inputs, supervised)
         features = features.to(next(drafter.parameters()).dtype)
         hidden = dflash_training_forward(model, self.target.get_input_embeddings(), inputs, features, drafter.config)
         lm_head = self.target.get_output_embeddings()
         draft_head = None
-        supervised = weights > 0
         if drafter.config.draft_vocab_size is not None:
             draft_head = (drafter.draft_head(lm_head).weight, target_to_draft_index(drafter.t2d))
             self._count("draft_vocab_miss", (supervised & ~drafter.t2d[inputs["labels"]]).sum(), supervised.sum())
@@ -174,28 +167,61 @@ class DFlashTrainer(Trainer):
         losses, inside, correct = position_cross_entropy(
             hidden, lm_head, inputs["labels"], supervised, draft_head, logits
         )
+        if teacher_logits is None and self.args.loss_type != "ce":
+            teacher_logits = self.cached_teacher(inputs, supervised, lm_head.weight.shape[0], draft_head)
+        position_losses = losses  # (N,) what each supervised position is trained on
+        if teacher_logits is not None:
+            kl = position_kl(logits, teacher_logits, draft_head)
+            share = 1.0 if self.args.loss_type == "kl" else self.args.distill_weight
+            position_losses = (1 - share) * losses + share * kl
         selector_losses, ratios = weighted_selector_losses(
             drafter, logits, hidden, inputs["labels"], supervised, self.args.selector_loss_weight
         )
         for name, (hits, total) in ratios.items():
             self._count(name, hits, total)
         if self.args.position_weighting == "dpace":
-            # The weights follow this micro-batch's own confidence: normalised here, averaged over accumulation
-            # steps and (by DDP) over processes.
+            # The weights follow this micro-batch's own confidence in the labels (the cross-entropy, whatever the
+            # loss): normalised here, averaged over accumulation steps and (by DDP) over processes.
             dpace = dpace_block_weights(losses, inside, supervised, drafter.config.block_size, self.args.dpace_alpha)
-            loss = ((losses + selector_losses) * dpace[supervised]).sum() / dpace.sum().clamp_min(1e-6)
+            loss = ((position_losses + selector_losses) * dpace[supervised]).sum() / dpace.sum().clamp_min(1e-6)
             loss = loss / self.args.gradient_accumulation_steps
             self._accumulate_metrics(correct, supervised, drafter.config.block_size)
             return (loss, hidden) if return_outputs else loss
-        loss_sum = ((losses + selector_losses) * weights[supervised]).sum()
-        if teacher_logits is not None:  # distillation: the KL replaces the cross-entropy (correct stays hard)
-            loss_sum = weighted_kl_sum(logits, teacher_logits, weights[supervised], draft_head)
+        loss_sum = ((position_losses + selector_losses) * weights[supervised]).sum()
         normaliser = num_items_in_batch if num_items_in_batch is not None else weights.sum()
         loss = loss_sum / normaliser.clamp_min(1e-6)
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
             loss = loss * self.accelerator.num_processes  # DDP averages gradients over processes
         self._accumulate_metrics(correct, supervised, drafter.config.block_size)
         return (loss, hidden) if return_outputs else loss
+
+    def features_and_online_teacher(self, inputs: dict, supervised: torch.BoolTensor):
+        """(features (B, S, n*Ht), the target's logits (N, V) at the N supervised labels or None): one target forward
+        gives both when distilling online; otherwise the teacher, if any, comes from the cache (`cached_teacher`)."""
+        if self.args.loss_type == "ce" or self.args.feature_mode == "offline":
+            return self.target_features(inputs), None
+        rows, slots = supervised.nonzero(as_tuple=True)
+        label_positions = torch.stack([rows, inputs["block_positions"][rows, slots]], -1)
+        return compute_target_features_and_logits(
+            self.target, inputs["input_ids"], self.target_layer_ids, inputs["attention_mask"], label_positions
+        )
+
+    def cached_teacher(self, inputs: dict, supervised: torch.BoolTensor, vocab_size: int, draft_head) -> torch.Tensor:
+        """(N, V or N') the target's distribution at the N supervised labels, rebuilt from the feature cache's top-K
+        (`top_k_teacher_logits`): the cache's row t predicts token t + 1, so a label at p reads row p - 1."""
+        if "teacher_ids" not in inputs:
+            raise ValueError(
+                f"loss_type={self.args.loss_type!r} with feature_mode='offline' needs the target's distribution in "
+                "the feature cache: re-run hf-dflash cache-features --teacher-top-k 32 --out <new folder>."
+            )
+        rows, slots = supervised.nonzero(as_tuple=True)
+        positions = inputs["block_positions"][rows, slots] - 1
+        return top_k_teacher_logits(
+            inputs["teacher_ids"][rows, positions],
+            inputs["teacher_logprobs"][rows, positions],
+            vocab_size,
+            None if draft_head is None else draft_head[1],
+        )
 
     def create_model_card(self, model_name: str | None = None, license: str = "apache-2.0", **kwargs) -> None:
         """Write the DFlash card (`hf_dflash.hub_cards` template, tagged with `_tag_names`) instead of

@@ -11,7 +11,16 @@ from safetensors import safe_open
 from torch.utils.data import Dataset
 
 from ...packaged_files import file_sha256
-from .format import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, SAFETENSORS_DTYPES, read_safetensors_header, sample_at
+from .format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    INDEX_FILE,
+    SAFETENSORS_DTYPES,
+    TEACHER_IDS,
+    TEACHER_LOGPROBS,
+    read_safetensors_header,
+    sample_at,
+)
 
 __all__ = ["OfflineFeatureDataset"]
 
@@ -20,7 +29,9 @@ class OfflineFeatureDataset(Dataset):
     """Tokenised samples with their cached target features, read lazily from memory-mapped shards.
 
     Item: `{"input_ids": (S,) long, "loss_mask": (S,) long, "target_hidden_states": (S, n*Ht)}` (features in
-    the cache's dtype), in the order of the tokenised files. The constructor only reads `index.json` and the
+    the cache's dtype), in the order of the tokenised files; a cache with a teacher (`teacher_top_k` K > 0) adds
+    `"teacher_ids": (S, K) long` and `"teacher_logprobs": (S, K) float32` (row t: the target's K most likely
+    tokens at t + 1). The constructor only reads `index.json` and the
     shards' headers (plus their sha256 with `verify="full"`); shards are opened on first use in each
     process, so DataLoader workers each map their own.
 
@@ -50,6 +61,7 @@ class OfflineFeatureDataset(Dataset):
         self._check_tokenized_files()
         samples = sorted(self.index["samples"].items(), key=lambda item: (item[1]["file"], item[1]["offset"]))
         self.sample_ids = [sample_id for sample_id, _ in samples]
+        self.teacher_top_k = int(self.index.get("teacher_top_k", 0))
         self.lengths = [entry["length"] for _, entry in samples]
         self._handles: dict[str, object] = {}
         self._owner_pid = os.getpid()
@@ -104,14 +116,22 @@ class OfflineFeatureDataset(Dataset):
                 raise ValueError(f"Feature shard {path} has sha256 {digest}, index.json says {entry['sha256']}; {fix}.")
             header = read_safetensors_header(path)
             for sample_id, sample in by_shard.get(name, []):
-                tensor = header.get(sample["key"])
-                expected = [sample["length"], feature_size]
-                if tensor is None or tensor["shape"] != expected or tensor["dtype"] != dtype:
-                    found = None if tensor is None else f"{tensor['dtype']} {tensor['shape']}"
-                    raise ValueError(
-                        f"Sample {sample_id!r} in feature shard {path}: expected {dtype} {expected}, found {found}; "
-                        f"{fix}."
-                    )
+                for suffix, expected_dtype, width in self._tensors(feature_size, dtype):
+                    tensor = header.get(sample["key"] + suffix)
+                    expected = [sample["length"], width]
+                    if tensor is None or tensor["shape"] != expected or tensor["dtype"] != expected_dtype:
+                        found = None if tensor is None else f"{tensor['dtype']} {tensor['shape']}"
+                        what = f" ({sample['key'] + suffix!r})" if suffix else ""  # a teacher tensor is named
+                        raise ValueError(
+                            f"Sample {sample_id!r} in feature shard {path}: expected {expected_dtype} {expected}{what}, "
+                            f"found {found}; {fix}."
+                        )
+
+    def _tensors(self, feature_size: int, dtype: str) -> list[tuple[str, str, int]]:
+        """(name suffix, safetensors dtype, width) of each tensor a sample has in its shard."""
+        top_k = int(self.index.get("teacher_top_k", 0))
+        teacher = [(TEACHER_IDS, "I32", top_k), (TEACHER_LOGPROBS, "F32", top_k)] if top_k else []
+        return [("", dtype, feature_size), *teacher]
 
     def _check_tokenized_files(self) -> None:
         for recorded in self.index["tokenized_files"]:
@@ -150,11 +170,16 @@ class OfflineFeatureDataset(Dataset):
                 f"Sample {sample_id!r}: {path} holds {sample['id']!r} with {len(sample['input_ids'])} tokens where "
                 f"shard {entry['shard']} has {features.shape[0]} feature rows; {self._refresh_fix()}."
             )
-        return {
+        item = {
             "input_ids": torch.tensor(sample["input_ids"], dtype=torch.long),
             "loss_mask": torch.tensor(sample["loss_mask"], dtype=torch.long),
             "target_hidden_states": features,
         }
+        if self.teacher_top_k:
+            shard = self._shard(entry["shard"])
+            item["teacher_ids"] = shard.get_tensor(entry["key"] + TEACHER_IDS).long()
+            item["teacher_logprobs"] = shard.get_tensor(entry["key"] + TEACHER_LOGPROBS)
+        return item
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_handles": {}}

@@ -44,6 +44,8 @@ __all__ = [
     "SAFETENSORS_DTYPES",
     "SHARD_PATTERN",
     "STORAGE_DTYPES",
+    "TEACHER_IDS",
+    "TEACHER_LOGPROBS",
     "TOKENIZED_GLOB",
     "feature_key",
     "parse_sample",
@@ -58,6 +60,10 @@ INDEX_FILE = "index.json"
 PROGRESS_FILE = "progress.jsonl"
 SHARD_PATTERN = "features-{:05d}.safetensors"
 TOKENIZED_GLOB = "tokenized-*.jsonl"
+# With `teacher_top_k` K in the index, each sample also has `<key>.teacher_ids` (S, K) int32 and
+# `<key>.teacher_logprobs` (S, K) float32: the target's K most likely next tokens at each position, descending.
+TEACHER_IDS = ".teacher_ids"
+TEACHER_LOGPROBS = ".teacher_logprobs"
 STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 EMBEDDING_ROWS_HASHED = 8

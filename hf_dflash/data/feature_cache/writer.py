@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from ...folder_lock import folder_lock
 from ...json_files import write_json_atomic
 from ...packaged_files import file_sha256
-from ...target_features import compute_target_features
+from ...target_features import compute_target_features, compute_target_features_and_top_logprobs
 from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -29,6 +29,8 @@ from .format import (
     PROGRESS_FILE,
     SHARD_PATTERN,
     STORAGE_DTYPES,
+    TEACHER_IDS,
+    TEACHER_LOGPROBS,
     TOKENIZED_GLOB,
     feature_key,
     parse_sample,
@@ -87,9 +89,15 @@ def read_tokens(tokenized_dir: Path, files: list[dict], batch: list[dict]) -> li
 
 
 def batch_features(
-    target: PreTrainedModel, tokens: list[list[int]], target_layer_ids: list[int], dtype: torch.dtype
-) -> list[torch.Tensor]:
-    """One padded causal forward over a batch -> per-sample (S_i, n*Ht) features, padding rows dropped."""
+    target: PreTrainedModel,
+    tokens: list[list[int]],
+    target_layer_ids: list[int],
+    dtype: torch.dtype,
+    teacher_top_k: int = 0,
+) -> list[dict[str, torch.Tensor]]:
+    """One padded causal forward over a batch -> per sample, its tensors by name suffix, padding rows dropped:
+    "" the (S_i, n*Ht) features; with `teacher_top_k` K also TEACHER_IDS (S_i, K) int32 and TEACHER_LOGPROBS
+    (S_i, K) float32, the target's K most likely next tokens at each position."""
     lengths = [len(ids) for ids in tokens]
     device = target.get_input_embeddings().weight.device
     input_ids = torch.zeros((len(tokens), max(lengths)), dtype=torch.long)  # (B, S), right-padded
@@ -98,13 +106,21 @@ def batch_features(
         input_ids[row, : len(ids)] = torch.as_tensor(ids)
         attention_mask[row, : len(ids)] = 1
     # Right padding + causal attention: real tokens never see a pad, so each row equals its sample alone.
-    features = compute_target_features(target, input_ids.to(device), target_layer_ids, attention_mask.to(device))
-    features = features.to(device="cpu", dtype=dtype)  # (B, S, n*Ht)
-    return [features[row, :length].clone() for row, length in enumerate(lengths)]
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    tensors = {}
+    if teacher_top_k:
+        features, ids, logprobs = compute_target_features_and_top_logprobs(
+            target, input_ids, target_layer_ids, attention_mask, teacher_top_k
+        )
+        tensors[TEACHER_IDS], tensors[TEACHER_LOGPROBS] = ids.to("cpu", torch.int32), logprobs.to("cpu")
+    else:
+        features = compute_target_features(target, input_ids, target_layer_ids, attention_mask)
+    tensors[""] = features.to(device="cpu", dtype=dtype)  # (B, S, n*Ht)
+    return [{suffix: t[row, :length].clone() for suffix, t in tensors.items()} for row, length in enumerate(lengths)]
 
 
 def _write_shard(tensors: dict[str, torch.Tensor], path: Path) -> dict:
-    """Write one shard under a temporary name, rename it into place; return its size and sha256."""
+    """Write one shard under a temporary name, rename it into place; return its size, sha256 and tensor count."""
     temporary = path.with_name(path.name + ".tmp")
     save_file(tensors, str(temporary), metadata={"format": "pt"})
     os.replace(temporary, path)
@@ -147,11 +163,11 @@ def recover_progress(out_dir: Path) -> dict:
 
 def check_same_cache(existing: dict, header: dict, out_dir: Path) -> None:
     """A resumed run must produce the same kind of features as the run that started the folder."""
-    for field in ("format_version", "target_layer_ids", "hidden_size", "dtype"):
-        if existing.get(field) != header[field]:
+    for field in ("format_version", "target_layer_ids", "hidden_size", "dtype", "teacher_top_k"):
+        if existing.get(field, 0) != header.get(field, 0):  # teacher_top_k: absent (0) in caches without a teacher
             raise ValueError(
-                f"{out_dir} holds features with {field}={existing.get(field)!r}, this run asks for "
-                f"{header[field]!r}; choose another --out folder or delete {out_dir}."
+                f"{out_dir} holds features with {field}={existing.get(field, 0)!r}, this run asks for "
+                f"{header.get(field, 0)!r}; choose another --out folder or delete {out_dir}."
             )
     if existing["target"]["fingerprint"] != header["target"]["fingerprint"]:
         raise ValueError(
@@ -171,6 +187,7 @@ def cache_features(
     shard_size_bytes: int = 256 * 2**20,
     target_name: str | None = None,
     *,
+    teacher_top_k: int = 0,
     lock: bool = True,
 ) -> Path:
     """Run `target` over every tokenised sample and store cat(h[i + 1] for i in target_layer_ids).
@@ -184,6 +201,9 @@ def cache_features(
         batch_size: samples per target forward (batched by similar length, right-padded).
         shard_size_bytes: a shard is closed once it holds at least this many bytes (whole batches).
         target_name: recorded in the index for humans (e.g. "smollm2-135m-instruct").
+        teacher_top_k: K > 0 also stores the target's K most likely next tokens and their log-probabilities at
+            every position (`<key>.teacher_ids`, `<key>.teacher_logprobs`), the teacher of offline distillation
+            (`loss_type` "kl" / "ce+kl"); 0 stores features only.
         lock: hold `folder_lock(out_dir)` for the call; False when the caller holds it already (the CLI takes it
             before it loads the target).
 
@@ -196,6 +216,8 @@ def cache_features(
         raise ValueError(f"dtype={dtype} cannot be stored; use one of {sorted(STORAGE_DTYPES)}.")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+    if isinstance(teacher_top_k, bool) or not isinstance(teacher_top_k, int) or teacher_top_k < 0:
+        raise ValueError(f"teacher_top_k must be a count >= 0 (0: no teacher), got {teacher_top_k!r}.")
     fingerprint = target_fingerprint(target)
     check_layer_ids(target_layer_ids, fingerprint["num_hidden_layers"])
     header = {
@@ -207,8 +229,18 @@ def cache_features(
         "hidden_size": fingerprint["hidden_size"],
         "feature_size": len(target_layer_ids) * fingerprint["hidden_size"],
         "dtype": dtype_name,
+        **({"teacher_top_k": teacher_top_k} if teacher_top_k else {}),  # absent: features only (older caches too)
     }
     files, samples = scan_tokenized(tokenized_dir, fingerprint["vocab_size"])
+    if teacher_top_k:
+        keys = {sample["key"]: sample["id"] for sample in samples}
+        for key, sample_id in keys.items():
+            for suffix in (TEACHER_IDS, TEACHER_LOGPROBS):
+                if key + suffix in keys:
+                    raise ValueError(
+                        f"Sample ids {sample_id!r} and {keys[key + suffix]!r} collide with the teacher's tensor "
+                        f"names ({key + suffix!r}); rename one, or cache without --teacher-top-k."
+                    )
 
     # one writer per cache folder (created)
     with folder_lock(out_dir, "cache-features") if lock else contextlib.nullcontext(out_dir):
@@ -224,10 +256,12 @@ def cache_features(
                 if not todo:
                     continue
                 tokens = read_tokens(tokenized_dir, files, todo)
-                for sample, features in zip(todo, batch_features(target, tokens, target_layer_ids, dtype)):
-                    pending[sample["key"]] = features
+                computed = batch_features(target, tokens, target_layer_ids, dtype, teacher_top_k)
+                for sample, tensors in zip(todo, computed):
+                    for suffix, tensor in tensors.items():
+                        pending[sample["key"] + suffix] = tensor
+                        pending_bytes += tensor.numel() * tensor.element_size()
                     pending_samples[sample["id"]] = {"key": sample["key"], "length": sample["length"]}
-                    pending_bytes += features.numel() * features.element_size()
                 bar.update(len(todo))
                 if pending_bytes >= shard_size_bytes:
                     flush_shard(out_dir, done, pending, pending_samples)
@@ -294,7 +328,7 @@ def complete_index(header: dict, files, samples: list[dict], done: dict) -> dict
 def flush_shard(out_dir: Path, done: dict, tensors: dict[str, torch.Tensor], samples: dict[str, dict]) -> None:
     """Write the pending samples as the next shard and record it in progress.jsonl (and in `done`)."""
     name = SHARD_PATTERN.format(len(done["shards"]))
-    entry = _write_shard(tensors, out_dir / name)
+    entry = {**_write_shard(tensors, out_dir / name), "num_samples": len(samples)}  # a teacher adds 2 tensors each
     records = {sample_id: {"shard": name, **sample} for sample_id, sample in samples.items()}
     with open(out_dir / PROGRESS_FILE, "a") as handle:
         handle.write(json.dumps({"shard": name, "entry": entry, "samples": records}) + "\n")
