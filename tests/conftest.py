@@ -196,11 +196,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "engines" not in item.keywords:
             continue
-        engine, variable = (
-            ("speculators", "HF_DFLASH_SPECULATORS_PYTHON")
+        engine, variable, target = (
+            ("speculators", "HF_DFLASH_SPECULATORS_PYTHON", "make test-speculators")
             if "speculators" in item.keywords
-            else ("vLLM's CPU build", "HF_DFLASH_ENGINES_PYTHON")
+            else ("vLLM's CPU build", "HF_DFLASH_ENGINES_PYTHON", "make test-engines")
         )
         if not _os.environ.get(variable):
-            reason = f"serving-engine oracle ({engine} in its own virtualenv, ${variable}): make test-engines"
+            reason = f"serving-engine oracle ({engine} in its own virtualenv, ${variable}): {target}"
             item.add_marker(pytest.mark.skip(reason=reason))

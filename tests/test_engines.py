@@ -211,10 +211,10 @@ def compare_with_speculators(drafter, target, folder: Path, input_ids: torch.Ten
 
 # fp32 on both sides, the same weights; what differs is the order of the sums: speculators attends over the whole
 # sequence plus all A blocks at once behind a mask (T + A*bs keys), we over p + bs keys per block, and matmuls of
-# other shapes round differently. Measured (Intel Xeon, 2 threads): tiny DFlash2 3.8e-6 (hidden) / 5.4e-7 (logits);
-# v5 on SmolLM2 1.6e-5 / 3.0e-5 with logits up to 21. The bound, 1e-4 (on logits, times their scale when above 1),
-# leaves a margin of 6x or more for other CPUs' kernels, while a real mismatch (a wrong mask, position, weight or
-# head row) moves them by 1e-2 or more.
+# other shapes round differently. Measured (Intel Xeon, 1 and 2 threads): tiny DFlash2 3.9e-6 (hidden) / 5.4e-7
+# (logits); v5 on SmolLM2 1.7e-5 / 3.3e-5 with logits up to 21. The bound, 1e-4 (on logits, times their scale when
+# above 1), leaves a margin of 6x or more for other CPUs' kernels, while a real mismatch (a wrong mask, position,
+# weight or head row) moves them by 1e-2 or more.
 SPECULATORS_TOLERANCE = 1e-4
 
 
