@@ -86,17 +86,19 @@ def _device(text: str) -> str:
 
 
 TARGET_HEAD_HELP = (
-    "a known target, a local model folder or a Hub id: an official copy of a drafter with a pruned draft "
-    "vocabulary holds that target's LM-head rows (vLLM's DFlash head); loaded only for such a drafter"
+    "a known target, a local model folder or a Hub id: an official or speculators copy of a drafter with a pruned "
+    "draft vocabulary holds that target's LM-head rows (loaded only for such a drafter); a speculators copy also "
+    "names it as its verifier (required for --to speculators)"
 )
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    """convert a drafter checkpoint between the Hub-native and official (vLLM/SGLang) formats
+    """convert a drafter checkpoint between the Hub-native, official (vLLM/SGLang) and speculators formats
 
     Convert a DFlash drafter checkpoint (Hub-native, official or vLLM speculators; local folder or Hub repo id)
-    to the Hub-native format (model_type 'dflash', remote code) or the official format (model_type 'qwen3' +
-    dflash_config, served by vLLM/SGLang). DST must be new or empty unless --overwrite.
+    to the Hub-native format (model_type 'dflash', remote code), the official format (model_type 'qwen3' +
+    dflash_config, served by vLLM/SGLang) or vLLM speculators' layout (speculators_model_type dflash/dflash2,
+    naming --target as its verifier). DST must be new or empty unless --overwrite.
     """
     from .checkpoints import convert
 
@@ -112,7 +114,7 @@ def register_convert(subparsers) -> None:
     parser = _command(subparsers, "convert", _run_convert)
     parser.add_argument("src", help="source checkpoint folder (or Hub repo id)")
     parser.add_argument("dst", help="destination folder (new or empty)")
-    parser.add_argument("--to", required=True, choices=("official", "hub"), help="output format")
+    parser.add_argument("--to", required=True, choices=("official", "hub", "speculators"), help="output format")
     parser.add_argument("--dtype", default=None, help="cast weights, e.g. bfloat16 (default: keep)")
     parser.add_argument(
         "--overwrite", action="store_true", help="replace a non-empty DST entirely (no stale files are kept)"

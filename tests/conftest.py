@@ -187,14 +187,20 @@ def real_target(real_cache_dir):
 
 
 # --- serving engines (tests/test_engines.py) ---
-# They run vLLM's CPU build from its own virtualenv, which `make test-engines` installs and names in
-# $HF_DFLASH_ENGINES_PYTHON; everywhere else (`make test` included) they are skipped, saying how to run them.
+# They run vLLM's CPU build, or vLLM's speculators (tests marked `speculators`), each from its own virtualenv, which
+# `make test-engines` installs and names in $HF_DFLASH_ENGINES_PYTHON / $HF_DFLASH_SPECULATORS_PYTHON; everywhere
+# else (`make test` included) they are skipped, saying how to run them.
 
 
 def pytest_collection_modifyitems(config, items):
-    if _os.environ.get("HF_DFLASH_ENGINES_PYTHON"):
-        return
-    skip = pytest.mark.skip(reason="serving-engine oracle (vLLM's CPU build in its own virtualenv): make test-engines")
     for item in items:
-        if "engines" in item.keywords:
-            item.add_marker(skip)
+        if "engines" not in item.keywords:
+            continue
+        engine, variable, target = (
+            ("speculators", "HF_DFLASH_SPECULATORS_PYTHON", "make test-speculators")
+            if "speculators" in item.keywords
+            else ("vLLM's CPU build", "HF_DFLASH_ENGINES_PYTHON", "make test-engines")
+        )
+        if not _os.environ.get(variable):
+            reason = f"serving-engine oracle ({engine} in its own virtualenv, ${variable}): {target}"
+            item.add_marker(pytest.mark.skip(reason=reason))

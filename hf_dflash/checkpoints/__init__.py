@@ -1,10 +1,10 @@
-"""DFlash drafter checkpoints: reading, writing, converting and publishing them (Hub-native and official formats).
+"""DFlash drafter checkpoints: reading, writing, converting and publishing them (Hub-native, official, speculators).
 
 files.py        file names, config.json, safetensors weights, dtypes, Hub download
 building.py     a DFlashDraftModel from translated config kwargs + a state dict
 hub.py          Hub-native format ("hub"): save_hub
 official.py     official / SpecForge / vLLM / SGLang format ("official"): save_official, load_official
-speculators.py  vLLM speculators format ("speculators", load only): load_speculators
+speculators.py  vLLM speculators format ("speculators"): load_speculators, save_speculators
 loading.py      detect_format, load_drafter (any format), drafter_from_model, looks_like_dflash_drafter
 converting.py   convert (hf-dflash convert)
 publish.py      export_drafter (a complete Hub repository folder), push_folder (hf-dflash export / push)
@@ -21,6 +21,7 @@ from .speculators import (
     dflash_kwargs_from_speculators,
     is_speculators_config,
     load_speculators,
+    save_speculators,
 )
 
 __all__ = [
@@ -48,4 +49,5 @@ __all__ = [
     "push_folder",
     "save_hub",
     "save_official",
+    "save_speculators",
 ]

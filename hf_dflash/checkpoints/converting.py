@@ -1,4 +1,4 @@
-"""Converting a drafter checkpoint from any loadable format to "official" or "hub" (`hf-dflash convert`)."""
+"""Converting a drafter checkpoint from any loadable format to "official", "hub" or "speculators" (`hf-dflash convert`)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,14 @@ from pathlib import Path
 import torch
 
 from ..folder_lock import path_lock
+from ..json_files import read_json_object
+from .files import CONFIG_NAME
 from .hub import save_hub
 from .loading import load_drafter
 from .official import save_official
+from .speculators import save_speculators, speculators_refusal
 
-FORMATS = ("official", "hub")  # the formats written (speculators is load-only)
+FORMATS = ("official", "hub", "speculators")  # the formats written
 
 
 def official_head_source(model, target):
@@ -35,6 +38,44 @@ def official_head_source(model, target):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)  # a Hub id
+
+
+def speculators_verifier(target) -> tuple[str, list[str]]:
+    """(name_or_path, architectures) of the verifier a speculators export names, from `target`: a known target's
+    name -> its Hub id; a local model folder -> its absolute path and its config.json's architectures; another
+    string -> a Hub id as given; a model -> its `name_or_path` and config architectures."""
+    if target is None:
+        raise ValueError(
+            "A speculators export names its verifier (speculators loads the embedding, LM head and final norm from "
+            "it): pass --target with a known target's name, a local model folder or the target's Hub id "
+            "(convert(..., target=...))."
+        )
+    if not isinstance(target, (str, os.PathLike)):
+        name = getattr(target, "name_or_path", "") or getattr(target.config, "_name_or_path", "")
+        if not name:
+            raise ValueError("The target model records no name_or_path: pass its Hub id or local folder instead.")
+        return str(name), list(target.config.architectures or [])
+    from ..targets import KNOWN_TARGETS
+
+    name = str(target)
+    if name in KNOWN_TARGETS and KNOWN_TARGETS[name].hub_id:
+        return KNOWN_TARGETS[name].hub_id, []
+    folder = Path(name)
+    if folder.is_dir():
+        config = read_json_object(folder / CONFIG_NAME, "config") if (folder / CONFIG_NAME).is_file() else {}
+        return str(folder.resolve()), list(config.get("architectures") or [])
+    return name, []
+
+
+def speculators_writer(model, target):
+    """`save_speculators` bound to the verifier and head rows `target` gives, or the ValueError naming why this
+    drafter has no speculators layout (before a target is loaded)."""
+    refusal = speculators_refusal(model.config)
+    if refusal is not None:
+        raise ValueError(f"This drafter has no speculators layout: {refusal}.")
+    verifier, architectures = speculators_verifier(target)
+    head = official_head_source(model, target)
+    return partial(save_speculators, verifier=verifier, verifier_architectures=architectures, target_lm_head=head)
 
 
 def check_destination(src: str | os.PathLike, dst: Path, overwrite: bool) -> None:
@@ -62,13 +103,14 @@ def convert(
     num_target_layers: int | None = None,
     target=None,
 ) -> Path:
-    """Convert a drafter checkpoint (any loadable format) to `to` = "official" or "hub" in `dst`.
+    """Convert a drafter checkpoint (any loadable format) to `to` = "official", "hub" or "speculators" in `dst`.
 
     `dst` must be new or empty unless `overwrite`, which replaces the whole folder (the conversion is
     written beside it first, so a failure leaves the old folder as it was). `dtype` casts the written
     weights (default: keep). `num_target_layers`: the target's depth, for speculators sources. `target`: for
-    `to="official"` of a drafter with a pruned draft vocabulary, the target (a model, a known target's name or a
-    local model folder) whose LM-head rows the export holds (`save_official`). Returns `dst`.
+    a drafter with a pruned draft vocabulary, the target (a model, a known target's name or a local model folder)
+    whose LM-head rows the official or speculators export holds (`save_official`); for `to="speculators"`, always:
+    the verifier it names (`speculators_verifier`). Returns `dst`.
     """
     if to not in FORMATS:
         raise ValueError(f"to={to!r} is not a checkpoint format; use one of {FORMATS}.")
@@ -79,8 +121,9 @@ def convert(
         check_destination(src, destination, overwrite)  # again: another conversion may have just finished
         model = load_drafter(src, num_target_layers=num_target_layers)
         if to == "official":
-            head = official_head_source(model, target)
-            save = partial(save_official, target_lm_head=head)
+            save = partial(save_official, target_lm_head=official_head_source(model, target))
+        elif to == "speculators":
+            save = speculators_writer(model, target)
         else:
             save = save_hub
         if not (destination.is_dir() and any(destination.iterdir())):
@@ -95,4 +138,4 @@ def convert(
         return destination
 
 
-__all__ = ["FORMATS", "check_destination", "convert", "official_head_source"]
+__all__ = ["FORMATS", "check_destination", "convert", "official_head_source", "speculators_verifier"]

@@ -1,11 +1,11 @@
 """Loading any DFlash drafter: format detection, `load_drafter`, and drafter objects built by other code.
 
 Formats: Hub-native ("hub", `hub.py`), official / SpecForge / vLLM / SGLang ("official",
-`official.py`) and vLLM speculators ("speculators", load only, `speculators.py`).
+`official.py`) and vLLM speculators ("speculators", `speculators.py`).
 
 * DFlash2 (z-lab's `DFlash2DraftModel`, docs/dflash2.md): grouped dynamic convolutions around each
   sublayer and a candidate selector. Read and written in the official layout (the same `DFlashDraftModel`
-  with its DFlash2 parts); speculators' `dflash2` layout is read too (load only).
+  with its DFlash2 parts); speculators' `dflash2` layout is read and written too.
 * A drafter object built by someone else's code (z-lab's `DFlashDraftModel`, a plain `Qwen3Model`
   loaded from an official folder without remote code, ...): `looks_like_dflash_drafter` tells it
   apart from an ordinary assistant model, so `generate` can refuse it instead of running plain
@@ -39,7 +39,7 @@ from .speculators import (
 
 
 def detect_format(path: str | os.PathLike) -> str:
-    """'hub', 'official' or 'speculators' (vLLM speculators, load-only) for a local checkpoint folder."""
+    """'hub', 'official' or 'speculators' (vLLM speculators) for a local checkpoint folder."""
     folder = Path(path)
     config = read_config(folder)
     model_type = config.get("model_type")
@@ -153,7 +153,7 @@ def drafter_from_model(model: torch.nn.Module) -> DFlashDraftModel:
     state_dict = bare_codebook_names({key: value.detach() for key, value in model.state_dict().items()})
     if is_speculators_config(config):
         kwargs = dflash_kwargs_from_speculators(config, source, config.get("num_target_layers"))
-        state_dict = without_verifier_copies(state_dict, source)
+        state_dict = without_verifier_copies(state_dict, source, config)
     elif config.get("model_type") == "dflash":
         check_checkpoint_fields(config, source)
         kwargs = {key: config[key] for key in DFlashConfig.__annotations__ if key in config}

@@ -1,4 +1,4 @@
-"""vLLM speculators' DFlash layout ("speculators", load only): what can be translated, and named errors.
+"""vLLM speculators' DFlash layout ("speculators"): reading it, writing it (`save_speculators`), named errors.
 
 `speculators_model_type: "dflash"`: the decoder nested in `transformer_layer_config`;
 `aux_hidden_state_layer_ids` index the target's `hidden_states` tuple (as vLLM's
@@ -6,35 +6,51 @@
 are those ids minus one; `mask_token_id`, `block_size`, `draft_vocab_size` and
 `sliding_window_non_causal` top-level. The weights carry the drafter keys plus copies of the
 verifier's embedding / LM head and the vocabulary maps `t2d`/`d2t`, which this drafter borrows from
-the target instead. The checkpoint does not record how many layers the verifier has.
+the target instead. The checkpoint does not record how many layers the verifier has (ours add
+`num_target_layers`, which speculators keeps as an extra field).
 
 `speculators_model_type: "dflash2"` (speculators `src/speculators/models/dflash2/`, marked experimental
 there) adds `conv_kernel_size`, `conv_group_size`, `selector_rank` and `selector_top_k` top-level, defaults
 `sliding_window_non_causal` to true, and its weights add `layers.{i}.{attention,mlp}_conv.*` and
 `candidate_selector.*` under the names our DFlash2 drafter (and z-lab's layout) uses.
 
-Loadable: full-vocabulary DFlash and DFlash2 with the plain projector and same-position labels. Refused,
-each by name: Domino projectors, `sample_from_anchor`, `shift_label`, reduced draft vocabularies, a DFlash2
-config without its four fields, DSpark / EAGLE and other algorithms.
+Written as speculators 0.9.0 saves it: no embedding (its loader reads the embedding, LM head and final norm
+from `speculators_config.verifier.name_or_path`, so the export names the target there); a pruned draft
+vocabulary (DFlash only: speculators' DFlash2 needs the whole vocabulary) adds `lm_head.weight`, the target
+head's rows at the draft ids, beside `t2d`/`d2t` (draft index i is target id i + d2t[i], as ours), and
+`draft_lm_head: "target_rows"` in the config, so our reader drops those rows again (the target lends them).
+
+Loadable: DFlash and DFlash2 with the plain projector and same-position labels, the whole vocabulary or a draft
+vocabulary marked as the target's rows. Refused, each by name: Domino projectors, `sample_from_anchor`,
+`shift_label`, other reduced draft vocabularies, a DFlash2 config without its four fields, DSpark / EAGLE and
+other algorithms.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import torch
+import transformers
+from safetensors.torch import save_file
 
-from ..modeling_dflash import DFlashDraftModel
+from ..modeling_dflash import DFlashConfig, DFlashDraftModel
 from ..modeling_dflash.configuration_dflash import (
     CHECKPOINT_REQUIRED_FIELDS,
+    DFLASH2_ARCHITECTURE,
     DFLASH2_FIELDS,
+    DRAFT_HEAD_FIELD,
+    DRAFT_HEAD_TARGET_ROWS,
+    NEUTRAL_TRANSFORMS,
     OFFICIAL_DECODER_FIELDS,
     SILENT_FALLBACK,
     rope_parameters_from_config,
 )
 from .building import build_drafter
-from .files import CONFIG_NAME, load_state_dict, read_config
+from .files import CONFIG_NAME, WEIGHTS_NAME, as_dtype, dtype_name, load_state_dict, read_config
+from .official import draft_head_rows
 
 SPECULATORS_TYPE_FIELD = "speculators_model_type"
 # Weights a speculators checkpoint may carry that belong to the verifier (the target lends them here).
@@ -102,11 +118,13 @@ def dflash_kwargs_from_speculators(config: dict, source: str, num_target_layers:
             "(its embedding rows); add it."
         )
     draft_vocab = config.get("draft_vocab_size", vocab_size)
-    if draft_vocab != vocab_size:
+    if draft_vocab != vocab_size and config.get(DRAFT_HEAD_FIELD) != DRAFT_HEAD_TARGET_ROWS:
         raise ValueError(
             f"{source}: draft_vocab_size={draft_vocab} is a reduced vocabulary (its own LM head and d2t map) "
             f"while the target has {vocab_size} rows; this drafter has no LM head of its own (its pruned draft "
-            "vocabulary, draft_vocab_size, uses rows of the target's), so a trained reduced head cannot be carried over."
+            "vocabulary, draft_vocab_size, uses rows of the target's), so a trained reduced head cannot be carried "
+            f"over. If lm_head.weight is the target head's rows at the draft ids, say so: {DRAFT_HEAD_FIELD}: "
+            f'"{DRAFT_HEAD_TARGET_ROWS}" (save_speculators writes it).'
         )
     for field in CHECKPOINT_REQUIRED_FIELDS:
         speculators_name = "aux_hidden_state_layer_ids" if field == "target_layer_ids" else field
@@ -141,6 +159,7 @@ def dflash_kwargs_from_speculators(config: dict, source: str, num_target_layers:
         # speculators' default: false for DFlash, true for DFlash2 (its config class says so)
         sliding_window_non_causal=bool(config.get("sliding_window_non_causal", algorithm == "dflash2")),
         tie_word_embeddings=False,
+        draft_vocab_size=draft_vocab if draft_vocab != vocab_size else None,
         **dflash2,
     )
     if config.get("target_hidden_size") is not None:
@@ -165,13 +184,32 @@ def speculators_rope(config: dict, layers: dict, source: str) -> dict:
     return rope_parameters_from_config(layers if inner or not outer else config, source)
 
 
-def without_verifier_copies(state_dict: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
-    """A speculators state dict without the verifier's embedding / LM head / norm copies and the
-    (identity, full-vocabulary) token maps: the target lends those at generation time."""
-    t2d = state_dict.get("t2d")
-    if t2d is not None and not bool(t2d.bool().all()):
-        raise ValueError(f"{source}: t2d maps only part of the vocabulary (a reduced draft vocabulary).")
-    return {key: value for key, value in state_dict.items() if key not in SPECULATORS_VERIFIER_COPIES}
+def without_verifier_copies(
+    state_dict: dict[str, torch.Tensor], source: str, config: dict | None = None
+) -> dict[str, torch.Tensor]:
+    """A speculators state dict without the verifier's embedding / LM head / norm copies and, for the whole
+    vocabulary, the identity token maps: the target lends those at generation time. With a draft vocabulary
+    (`config`'s draft_vocab_size below its vocab_size, marked as the target's rows) `t2d`/`d2t` stay and
+    `lm_head.weight` must be (draft_vocab_size, hidden_size)."""
+    layers = (config or {}).get("transformer_layer_config") or {}
+    vocab_size = layers.get("vocab_size", (config or {}).get("vocab_size"))
+    draft_vocab = (config or {}).get("draft_vocab_size", vocab_size)
+    copies = set(SPECULATORS_VERIFIER_COPIES)
+    if draft_vocab != vocab_size:
+        head = state_dict.get("lm_head.weight")
+        expected = [draft_vocab, layers.get("hidden_size")]
+        if head is None or list(head.shape) != expected:
+            found = "none" if head is None else list(head.shape)
+            raise ValueError(
+                f"{source}: a draft vocabulary needs lm_head.weight of shape [draft_vocab_size, hidden_size] = "
+                f"{expected} (the target head's rows at the draft ids); the weights hold {found}."
+            )
+        copies -= {"t2d", "d2t"}
+    else:
+        t2d = state_dict.get("t2d")
+        if t2d is not None and not bool(t2d.bool().all()):
+            raise ValueError(f"{source}: t2d maps only part of the vocabulary (a reduced draft vocabulary).")
+    return {key: value for key, value in state_dict.items() if key not in copies}
 
 
 def load_speculators(
@@ -187,16 +225,132 @@ def load_speculators(
     does not record it). What cannot be served raises a ValueError naming it (module docstring)."""
     folder = Path(path)
     source = str(folder / CONFIG_NAME)
-    kwargs = dflash_kwargs_from_speculators(read_config(folder), source, num_target_layers)
-    state_dict = without_verifier_copies(load_state_dict(folder), source)
+    config = read_config(folder)
+    kwargs = dflash_kwargs_from_speculators(config, source, num_target_layers)
+    state_dict = without_verifier_copies(load_state_dict(folder), source, config)
     return build_drafter(kwargs, state_dict, str(folder), dtype, device, attn_implementation)
 
 
+# The speculators release whose layout `save_speculators` writes (and whose `SpeculatorModel.from_pretrained`
+# tests/test_engines.py runs on it).
+SPECULATORS_RELEASE = "0.9.0"
+
+
+def speculators_refusal(config: DFlashConfig) -> str | None:
+    """Why speculators 0.9.0 cannot run this drafter as it runs here (None: it can)."""
+    if config.is_dflash2 and config.draft_vocab_size is not None:
+        return (
+            f"it is DFlash2 with a pruned draft vocabulary (draft_vocab_size={config.draft_vocab_size}), and "
+            "speculators' DFlash2 requires the whole verifier vocabulary (its DFlash2DraftModel raises otherwise); "
+            "train it with draft_vocab_size None, or serve it with this package"
+        )
+    if config.target_hidden_size != config.hidden_size:
+        return (
+            f"target_hidden_size={config.target_hidden_size} differs from hidden_size={config.hidden_size}, and "
+            "speculators sizes fc's input as len(aux_hidden_state_layer_ids) x hidden_size"
+        )
+    if "sliding_attention" in config.layer_types:
+        return (
+            "it has sliding-window layers: speculators windows the context from the anchor (keys at positions "
+            ">= anchor - sliding_window) where this drafter windows it from each query (query - key < "
+            "sliding_window), so it would draft from other keys; use full-attention layers"
+        )
+    changed = {name: getattr(config, name) for name, neutral in NEUTRAL_TRANSFORMS.items()
+               if getattr(config, name) != neutral}  # fmt: skip
+    if changed:
+        return f"speculators has no {sorted(changed)} transform (this drafter sets {changed})"
+    return None
+
+
+def speculators_layer_config(config: DFlashConfig) -> dict:
+    """`transformer_layer_config`: the draft decoder as a Qwen3 config (vocab_size: the target's)."""
+    layers = {"model_type": "qwen3"}
+    layers.update({field: getattr(config, field) for field in _SPECULATORS_DECODER_FIELDS})
+    layers.update(rope_parameters=dict(config.rope_parameters), tie_word_embeddings=False, use_sliding_window=False)
+    return layers
+
+
+def speculators_config_dict(config: DFlashConfig, dtype: torch.dtype, verifier: str, architectures=()) -> dict:
+    """The config.json speculators 0.9.0's `SpeculatorModelConfig` reads for this drafter (weights in `dtype`);
+    `verifier` (a Hub id or a local folder) is where its loader takes the embedding, LM head and final norm."""
+    algorithm = "dflash2" if config.is_dflash2 else "dflash"
+    out = {
+        "speculators_model_type": algorithm,
+        "speculators_version": SPECULATORS_RELEASE,
+        "architectures": [DFLASH2_ARCHITECTURE if config.is_dflash2 else "DFlashSpeculator"],
+        "transformer_layer_config": speculators_layer_config(config),
+        "draft_vocab_size": config.draft_vocab_size or config.vocab_size,
+        "block_size": config.block_size,
+        "target_hidden_size": config.target_hidden_size,
+        "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
+        "mask_token_id": config.mask_token_id,
+        "sliding_window_non_causal": config.sliding_window_non_causal,
+        "sample_from_anchor": False,
+        "num_target_layers": config.num_target_layers,  # an extra field: speculators does not record it
+        "speculators_config": {
+            "algorithm": algorithm,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.block_size - 1}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": list(architectures)},
+        },
+        "dtype": dtype_name(dtype),
+        "transformers_version": transformers.__version__,
+    }
+    if config.is_dflash2:
+        out.update({field: getattr(config, field) for field in DFLASH2_FIELDS})
+    if config.draft_vocab_size is not None:
+        out[DRAFT_HEAD_FIELD] = DRAFT_HEAD_TARGET_ROWS
+    return out
+
+
+def save_speculators(
+    model: DFlashDraftModel,
+    out_dir: str | os.PathLike,
+    verifier: str,
+    dtype: str | torch.dtype | None = None,
+    target_lm_head=None,
+    verifier_architectures=(),
+) -> Path:
+    """Write vLLM speculators' layout (as speculators 0.9.0 saves a DFlash / DFlash2 drafter): `config.json` and
+    `model.safetensors` with the drafter's weights; `SpeculatorModel.from_pretrained(out_dir)` loads it.
+
+    `verifier`: the target's Hub id or local folder, written as `speculators_config.verifier.name_or_path`
+    (speculators reads the embedding, LM head and final norm from there). A pruned draft vocabulary also needs
+    `target_lm_head` (the target, its LM head or the (V, H) weight): its rows at the draft ids are written as
+    `lm_head.weight` beside `t2d`/`d2t`. `dtype` casts the weights. What speculators cannot run as this package
+    does raises a ValueError naming why, before anything is written. Returns the output folder."""
+    refusal = speculators_refusal(model.config)
+    if refusal is not None:
+        raise ValueError(f"This drafter has no speculators layout: {refusal}.")
+    if not verifier:
+        raise ValueError(
+            "The speculators layout names its verifier: speculators loads the embedding, LM head and final norm "
+            "from it. Pass verifier=<the target's Hub id or local folder> (CLI: --target NAME_OR_FOLDER)."
+        )
+    head = draft_head_rows(model, target_lm_head) if model.config.draft_vocab_size is not None else None
+    target_dtype = as_dtype(dtype) or model.dtype
+    weights = dict(model.state_dict(), **({"lm_head.weight": head} if head is not None else {}))
+    state_dict = {
+        key: tensor.detach().to("cpu", target_dtype if tensor.is_floating_point() else tensor.dtype).contiguous()
+        for key, tensor in weights.items()
+    }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state_dict, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    config = speculators_config_dict(model.config, target_dtype, str(verifier), verifier_architectures)
+    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return out
+
+
 __all__ = [
+    "SPECULATORS_RELEASE",
     "SPECULATORS_TYPE_FIELD",
     "SPECULATORS_VERIFIER_COPIES",
     "dflash_kwargs_from_speculators",
     "is_speculators_config",
     "load_speculators",
+    "save_speculators",
+    "speculators_config_dict",
+    "speculators_refusal",
     "without_verifier_copies",
 ]
