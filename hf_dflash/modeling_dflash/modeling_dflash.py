@@ -485,6 +485,11 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         self._draft_head = None  # (key, nn.Linear of the target LM head's rows for the draft vocabulary)
         self.post_init()
 
+    def get_input_embeddings(self) -> None:
+        """None: the drafter embeds with the target's embedding (`noise_embeds`) and has none of its own.
+        Transformers' default raises instead, and callers such as accelerate's FSDP2 wrapping ask for it."""
+        return None
+
     @property
     def draft_token_ids(self) -> torch.LongTensor | None:
         """(N,) target ids of the draft vocabulary, ascending; None when drafting over the whole vocabulary."""
