@@ -389,6 +389,11 @@ class DFlashPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True  # training: pass the packed mask as a BlockMask
     _supports_attention_backend = True
 
+    def get_input_embeddings(self) -> None:
+        """None: the drafter embeds with the target's embedding (`noise_embeds`) and has none of its own.
+        Transformers' default raises instead, and callers such as accelerate's FSDP2 wrapping ask for it."""
+        return None
+
     def _init_weights(self, module):
         """Transformers' initialisation, and DFlash2's parts at identity (the model then computes DFlash's
         outputs) unless a checkpoint already filled them."""
@@ -484,11 +489,6 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             self.register_buffer("t2d", t2d)
         self._draft_head = None  # (key, nn.Linear of the target LM head's rows for the draft vocabulary)
         self.post_init()
-
-    def get_input_embeddings(self) -> None:
-        """None: the drafter embeds with the target's embedding (`noise_embeds`) and has none of its own.
-        Transformers' default raises instead, and callers such as accelerate's FSDP2 wrapping ask for it."""
-        return None
 
     @property
     def draft_token_ids(self) -> torch.LongTensor | None:
