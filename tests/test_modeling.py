@@ -51,6 +51,14 @@ def test_state_dict_keys_are_the_official_ones():
     assert tiny_drafter().fc.weight.shape == (32, 2 * 32)  # len(target_layer_ids) * target_hidden_size -> hidden
 
 
+def test_the_drafter_has_no_embedding_and_no_lm_head_of_its_own():
+    """Both are the target's: asked for them (accelerate's FSDP2 wrapping asks both), the drafter answers None
+    instead of Transformers' NotImplementedError, so nothing of the target is sharded or trained with it."""
+    drafter = tiny_drafter()
+    assert drafter.get_input_embeddings() is None
+    assert drafter.get_output_embeddings() is None
+
+
 @pytest.mark.parametrize(
     "layers, features, expected",
     [(36, 5, [1, 9, 17, 25, 33]), (30, 5, [1, 8, 14, 20, 27]), (24, 5, [1, 6, 11, 16, 21]), (30, 1, [15])],

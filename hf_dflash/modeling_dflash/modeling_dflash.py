@@ -389,6 +389,11 @@ class DFlashPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True  # training: pass the packed mask as a BlockMask
     _supports_attention_backend = True
 
+    def get_input_embeddings(self) -> None:
+        """None: the drafter embeds with the target's embedding (`noise_embeds`) and has none of its own.
+        Transformers' default raises instead, and callers such as accelerate's FSDP2 wrapping ask for it."""
+        return None
+
     def _init_weights(self, module):
         """Transformers' initialisation, and DFlash2's parts at identity (the model then computes DFlash's
         outputs) unless a checkpoint already filled them."""

@@ -366,6 +366,11 @@ def _train(config: dict, args: DFlashTrainingArguments, output_dir: Path, callba
     trainer = DFlashTrainer(
         model, args, target=target, train_dataset=train, eval_dataset=evaluation, callbacks=[record, *(callbacks or [])]
     )
+    if config.get("lora") and trainer.is_fsdp_enabled:
+        raise ValueError(
+            "lora with FSDP: merging LoRA into a sharded drafter is not supported here; train LoRA with DDP "
+            "(accelerate launch --multi_gpu), whose drafter replicas fit any GPU that fits the target."
+        )
     try:
         trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
     except (SafetensorError, pickle.UnpicklingError, EOFError) as error:
@@ -375,9 +380,13 @@ def _train(config: dict, args: DFlashTrainingArguments, output_dir: Path, callba
             f"Cannot resume from {resume}: a file in it is unreadable or refused by torch.load ({type(error).__name__}: "
             f"{str(error)[:200]}). Delete {resume} to resume from the checkpoint before it, or use a new output_dir."
         ) from error
-    final = model.merge_and_unload() if config.get("lora") else drafter
+    if config.get("lora"):
+        final = model.merge_and_unload()
+        if trainer.is_world_process_zero():
+            final.save_pretrained(args.output_dir)
+    else:
+        trainer.save_drafter(args.output_dir)  # every process: FSDP gathers the shards first
     if trainer.is_world_process_zero():
-        final.save_pretrained(args.output_dir)
         trainer.create_model_card()
     if args.push_to_hub:
         trainer.push_to_hub()

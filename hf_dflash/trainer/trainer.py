@@ -1,6 +1,7 @@
 """`DFlashTrainer`: a `Trainer` whose model is the drafter; the target is frozen and only lends
 its features, embedding and LM head. Checkpoints therefore hold the drafter alone, Hub-native."""
 
+import os
 from pathlib import Path
 
 import torch
@@ -48,6 +49,43 @@ def check_training_pairing(target: PreTrainedModel, drafter: DFlashDraftModel) -
         )
 
 
+def check_fsdp_settings(requested: bool, enabled: bool, distributed_type: str, state_dict_type: str | None) -> None:
+    """FSDP asked for (`requested`: accelerate's FSDP config or `--use_fsdp`, or `TrainingArguments.fsdp`) must be
+    FSDP run (`enabled`), with checkpoints holding the whole drafter (FULL_STATE_DICT)."""
+    if requested and not enabled:
+        raise ValueError(
+            f"FSDP was requested, but accelerate runs this job as {distributed_type}, not FSDP: accelerate (1.16) "
+            "turns FSDP on only on GPU-like devices (CUDA, XPU, NPU, ...); on CPU it leaves the FSDP settings unused "
+            "and would train plain data parallel (DDP) without a word. On CPU, launch with --multi_gpu (DDP over "
+            "gloo) instead of the FSDP config; on GPUs, check that accelerate sees them."
+        )
+    if enabled and state_dict_type is not None and "FULL_STATE_DICT" not in state_dict_type:
+        raise ValueError(
+            f"fsdp_state_dict_type={state_dict_type.split('.')[-1]}: DFlash checkpoints must hold the whole drafter "
+            "(model.safetensors, Hub-native, what resuming and serving read); set fsdp_state_dict_type: "
+            "FULL_STATE_DICT in the accelerate config (the drafter is small: gathering it costs little)."
+        )
+
+
+def fsdp_settings(trainer: Trainer) -> tuple[bool, bool, str, str | None]:
+    """`check_fsdp_settings`' arguments read from a built Trainer: FSDP requested (accelerate's FSDP config or
+    `--use_fsdp`, or `TrainingArguments.fsdp`), FSDP enabled, accelerate's distributed type, FSDP's state-dict type."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    requested = bool(trainer.args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    kind = str(trainer.accelerator.distributed_type).split(".")[-1]
+    return requested, trainer.is_fsdp_enabled, kind, str(plugin.state_dict_type) if plugin is not None else None
+
+
+def save_unsharded(drafter: DFlashDraftModel, output_dir: str, state_dict: dict, args) -> None:
+    """Write `drafter` (an FSDP2-wrapped one) Hub-native with the gathered weights `state_dict`, through a plain
+    `DFlashDraftModel` built on the meta device: FSDP2 turns the drafter's class into `FSDPDFlashDraftModel`, a class
+    defined in torch, whose own save copies torch's files as the remote code and names that class in `auto_map`."""
+    with torch.device("meta"):
+        plain = DFlashDraftModel(drafter.config).to(drafter.dtype)
+    plain.save_pretrained(output_dir, state_dict=state_dict)
+    torch.save(args, os.path.join(output_dir, "training_args.bin"))  # as Trainer._save does
+
+
 def weighted_selector_losses(drafter, logits, hidden, labels, supervised, weight: float) -> tuple:
     """(weight x DFlash2's K-way selector loss (N,) at the N supervised (B, T) positions, or 0.0 for a DFlash
     drafter or weight 0; the ratios to log: `selector_top_k_recall` and `selector_acc` as (hits, total))."""
@@ -78,7 +116,32 @@ def give_selector_its_learning_rate(optimizer: torch.optim.Optimizer, model, lea
     optimizer.param_groups[:] = [group for group in optimizer.param_groups if group["params"]]
 
 
-class DFlashTrainer(Trainer):
+class FSDPAwareTrainer(Trainer):
+    """A `Trainer` that refuses FSDP settings that would go wrong (`check_fsdp_settings`, when training starts) and
+    saves a `DFlashDraftModel` Hub-native under FSDP2 too (`save_unsharded`)."""
+
+    def train(self, *args, **kwargs):
+        check_fsdp_settings(*fsdp_settings(self))
+        return super().train(*args, **kwargs)
+
+    def save_drafter(self, output_dir: str | Path) -> None:
+        """Save the trained drafter Hub-native into `output_dir`; every process calls it (under FSDP the shards are
+        gathered first), the main process writes."""
+        if self.is_fsdp_enabled:
+            self.save_model(str(output_dir))  # gathers the whole drafter; `_save` writes it on the main process
+        elif self.is_world_process_zero():
+            self.accelerator.unwrap_model(self.model).save_pretrained(output_dir)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """`Trainer._save`, except for an FSDP2-wrapped drafter (`save_unsharded`)."""
+        drafter = self.accelerator.unwrap_model(self.model)
+        if not isinstance(drafter, DFlashDraftModel) or type(drafter) is DFlashDraftModel:
+            return super()._save(output_dir, state_dict)
+        if self.args.should_save:
+            save_unsharded(drafter, output_dir or self.args.output_dir, state_dict, self.args)
+
+
+class DFlashTrainer(FSDPAwareTrainer):
     """Trains a `DFlashDraftModel` with the DFlash recipe (random anchors in the response, the next block_size - 1
     positions masked, the loss weighted by exp(-(k - 1) / gamma)).
 
