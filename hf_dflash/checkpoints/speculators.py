@@ -242,7 +242,8 @@ def speculators_refusal(config: DFlashConfig) -> str | None:
         return (
             f"it is DFlash2 with a pruned draft vocabulary (draft_vocab_size={config.draft_vocab_size}), and "
             "speculators' DFlash2 requires the whole verifier vocabulary (its DFlash2DraftModel raises otherwise); "
-            "train it with draft_vocab_size None, or serve it with this package"
+            "expand it (--expand-vocabulary, or expand_draft_vocabulary(model) first: its drafts then change, "
+            "docs/serving.md), train it with draft_vocab_size None, or serve it with this package"
         )
     if config.target_hidden_size != config.hidden_size:
         return (
