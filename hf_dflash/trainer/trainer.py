@@ -141,6 +141,33 @@ class FSDPAwareTrainer(Trainer):
             save_unsharded(drafter, output_dir or self.args.output_dir, state_dict, self.args)
 
 
+def online_features_and_teacher(target, target_layer_ids: list[int], inputs: dict, supervised: torch.BoolTensor):
+    """(features (B, S, n*Ht), the target's logits (N, V) at the N supervised labels) from one target forward."""
+    rows, slots = supervised.nonzero(as_tuple=True)
+    label_positions = torch.stack([rows, inputs["block_positions"][rows, slots]], -1)
+    return compute_target_features_and_logits(
+        target, inputs["input_ids"], target_layer_ids, inputs["attention_mask"], label_positions
+    )
+
+
+def cached_teacher_logits(inputs: dict, supervised: torch.BoolTensor, vocab_size: int, draft_head) -> torch.Tensor:
+    """(N, V or N') the target's distribution at the N supervised labels, rebuilt from the feature cache's top-K
+    (`top_k_teacher_logits`): the cache's row t predicts token t + 1, so a label at p reads row p - 1."""
+    if "teacher_ids" not in inputs:
+        raise ValueError(
+            "Distilling with feature_mode='offline' needs the target's distribution in the feature cache: re-run "
+            "hf-dflash cache-features --teacher-top-k 32 --out <new folder>."
+        )
+    rows, slots = supervised.nonzero(as_tuple=True)
+    positions = inputs["block_positions"][rows, slots] - 1
+    return top_k_teacher_logits(
+        inputs["teacher_ids"][rows, positions],
+        inputs["teacher_logprobs"][rows, positions],
+        vocab_size,
+        None if draft_head is None else draft_head[1],
+    )
+
+
 class DFlashTrainer(FSDPAwareTrainer):
     """Trains a `DFlashDraftModel` with the DFlash recipe (random anchors in the response, the next block_size - 1
     positions masked, the loss weighted by exp(-(k - 1) / gamma)).
@@ -216,7 +243,12 @@ class DFlashTrainer(FSDPAwareTrainer):
         drafter = self.accelerator.unwrap_model(model)
         weights = inputs["loss_weights"]
         supervised = weights > 0
-        features, teacher_logits = self.features_and_online_teacher(inputs, supervised)
+        if self.args.loss_type != "ce" and self.args.feature_mode == "online":
+            features, teacher_logits = online_features_and_teacher(
+                self.target, self.target_layer_ids, inputs, supervised
+            )
+        else:  # the teacher, if any, comes from the feature cache below
+            features, teacher_logits = self.target_features(inputs), None
         features = features.to(next(drafter.parameters()).dtype)
         hidden = dflash_training_forward(model, self.target.get_input_embeddings(), inputs, features, drafter.config)
         lm_head = self.target.get_output_embeddings()
@@ -231,20 +263,18 @@ class DFlashTrainer(FSDPAwareTrainer):
             hidden, lm_head, inputs["labels"], supervised, draft_head, logits
         )
         if teacher_logits is None and self.args.loss_type != "ce":
-            teacher_logits = self.cached_teacher(inputs, supervised, lm_head.weight.shape[0], draft_head)
-        position_losses = losses  # (N,) what each supervised position is trained on
+            teacher_logits = cached_teacher_logits(inputs, supervised, lm_head.weight.shape[0], draft_head)
+        position_losses = losses  # (N,) what each supervised position is trained on: CE, or CE and KL mixed
         if teacher_logits is not None:
-            kl = position_kl(logits, teacher_logits, draft_head)
             share = 1.0 if self.args.loss_type == "kl" else self.args.distill_weight
-            position_losses = (1 - share) * losses + share * kl
+            position_losses = (1 - share) * losses + share * position_kl(logits, teacher_logits, draft_head)
         selector_losses, ratios = weighted_selector_losses(
             drafter, logits, hidden, inputs["labels"], supervised, self.args.selector_loss_weight
         )
         for name, (hits, total) in ratios.items():
             self._count(name, hits, total)
         if self.args.position_weighting == "dpace":
-            # The weights follow this micro-batch's own confidence in the labels (the cross-entropy, whatever the
-            # loss): normalised here, averaged over accumulation steps and (by DDP) over processes.
+            # Weights from this micro-batch's confidence in its labels (whatever the loss), normalised here.
             dpace = dpace_block_weights(losses, inside, supervised, drafter.config.block_size, self.args.dpace_alpha)
             loss = ((position_losses + selector_losses) * dpace[supervised]).sum() / dpace.sum().clamp_min(1e-6)
             loss = loss / self.args.gradient_accumulation_steps
@@ -257,34 +287,6 @@ class DFlashTrainer(FSDPAwareTrainer):
             loss = loss * self.accelerator.num_processes  # DDP averages gradients over processes
         self._accumulate_metrics(correct, supervised, drafter.config.block_size)
         return (loss, hidden) if return_outputs else loss
-
-    def features_and_online_teacher(self, inputs: dict, supervised: torch.BoolTensor):
-        """(features (B, S, n*Ht), the target's logits (N, V) at the N supervised labels or None): one target forward
-        gives both when distilling online; otherwise the teacher, if any, comes from the cache (`cached_teacher`)."""
-        if self.args.loss_type == "ce" or self.args.feature_mode == "offline":
-            return self.target_features(inputs), None
-        rows, slots = supervised.nonzero(as_tuple=True)
-        label_positions = torch.stack([rows, inputs["block_positions"][rows, slots]], -1)
-        return compute_target_features_and_logits(
-            self.target, inputs["input_ids"], self.target_layer_ids, inputs["attention_mask"], label_positions
-        )
-
-    def cached_teacher(self, inputs: dict, supervised: torch.BoolTensor, vocab_size: int, draft_head) -> torch.Tensor:
-        """(N, V or N') the target's distribution at the N supervised labels, rebuilt from the feature cache's top-K
-        (`top_k_teacher_logits`): the cache's row t predicts token t + 1, so a label at p reads row p - 1."""
-        if "teacher_ids" not in inputs:
-            raise ValueError(
-                f"loss_type={self.args.loss_type!r} with feature_mode='offline' needs the target's distribution in "
-                "the feature cache: re-run hf-dflash cache-features --teacher-top-k 32 --out <new folder>."
-            )
-        rows, slots = supervised.nonzero(as_tuple=True)
-        positions = inputs["block_positions"][rows, slots] - 1
-        return top_k_teacher_logits(
-            inputs["teacher_ids"][rows, positions],
-            inputs["teacher_logprobs"][rows, positions],
-            vocab_size,
-            None if draft_head is None else draft_head[1],
-        )
 
     def create_model_card(self, model_name: str | None = None, license: str = "apache-2.0", **kwargs) -> None:
         """Write the DFlash card (`hf_dflash.hub_cards` template, tagged with `_tag_names`) instead of

@@ -211,36 +211,13 @@ def cache_features(
         `out_dir` as a Path; its `index.json` is written last, with `"complete": true`.
     """
     tokenized_dir, out_dir = Path(tokenized_dir), Path(out_dir)
-    dtype_name = str(dtype).removeprefix("torch.")
-    if dtype_name not in STORAGE_DTYPES:
-        raise ValueError(f"dtype={dtype} cannot be stored; use one of {sorted(STORAGE_DTYPES)}.")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
-    if isinstance(teacher_top_k, bool) or not isinstance(teacher_top_k, int) or teacher_top_k < 0:
-        raise ValueError(f"teacher_top_k must be a count >= 0 (0: no teacher), got {teacher_top_k!r}.")
-    fingerprint = target_fingerprint(target)
-    check_layer_ids(target_layer_ids, fingerprint["num_hidden_layers"])
-    header = {
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        "complete": False,
-        "target": {"name": target_name, "fingerprint": fingerprint},
-        "target_layer_ids": list(target_layer_ids),
-        "hidden_size": fingerprint["hidden_size"],
-        "feature_size": len(target_layer_ids) * fingerprint["hidden_size"],
-        "dtype": dtype_name,
-        **({"teacher_top_k": teacher_top_k} if teacher_top_k else {}),  # absent: features only (older caches too)
-    }
+    header = cache_header(target, target_layer_ids, dtype, target_name, teacher_top_k)
+    fingerprint = header["target"]["fingerprint"]
     files, samples = scan_tokenized(tokenized_dir, fingerprint["vocab_size"])
     if teacher_top_k:
-        keys = {sample["key"]: sample["id"] for sample in samples}
-        for key, sample_id in keys.items():
-            for suffix in (TEACHER_IDS, TEACHER_LOGPROBS):
-                if key + suffix in keys:
-                    raise ValueError(
-                        f"Sample ids {sample_id!r} and {keys[key + suffix]!r} collide with the teacher's tensor "
-                        f"names ({key + suffix!r}); rename one, or cache without --teacher-top-k."
-                    )
+        check_teacher_names(samples)
 
     # one writer per cache folder (created)
     with folder_lock(out_dir, "cache-features") if lock else contextlib.nullcontext(out_dir):
@@ -272,6 +249,46 @@ def cache_features(
         write_json_atomic(out_dir / INDEX_FILE, complete_index(header, files, samples, done))
         (out_dir / PROGRESS_FILE).unlink(missing_ok=True)
     return out_dir
+
+
+def cache_header(
+    target: PreTrainedModel,
+    target_layer_ids: list[int],
+    dtype: torch.dtype,
+    target_name: str | None,
+    teacher_top_k: int,
+) -> dict:
+    """The index header of a cache of these settings (checked: storage dtype, layer ids, teacher count)."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    if dtype_name not in STORAGE_DTYPES:
+        raise ValueError(f"dtype={dtype} cannot be stored; use one of {sorted(STORAGE_DTYPES)}.")
+    if isinstance(teacher_top_k, bool) or not isinstance(teacher_top_k, int) or teacher_top_k < 0:
+        raise ValueError(f"teacher_top_k must be a count >= 0 (0: no teacher), got {teacher_top_k!r}.")
+    fingerprint = target_fingerprint(target)
+    check_layer_ids(target_layer_ids, fingerprint["num_hidden_layers"])
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "complete": False,
+        "target": {"name": target_name, "fingerprint": fingerprint},
+        "target_layer_ids": list(target_layer_ids),
+        "hidden_size": fingerprint["hidden_size"],
+        "feature_size": len(target_layer_ids) * fingerprint["hidden_size"],
+        "dtype": dtype_name,
+        **({"teacher_top_k": teacher_top_k} if teacher_top_k else {}),  # absent: features only (older caches too)
+    }
+
+
+def check_teacher_names(samples: list[dict]) -> None:
+    """A sample's teacher tensors (`<key>.teacher_ids`, ...) must not share a name with another sample's features."""
+    keys = {sample["key"]: sample["id"] for sample in samples}
+    for key, sample_id in keys.items():
+        for suffix in (TEACHER_IDS, TEACHER_LOGPROBS):
+            if key + suffix in keys:
+                raise ValueError(
+                    f"Sample ids {sample_id!r} and {keys[key + suffix]!r} collide with the teacher's tensor "
+                    f"names ({key + suffix!r}); rename one, or cache without --teacher-top-k."
+                )
 
 
 def check_layer_ids(target_layer_ids: list[int], num_layers: int) -> None:
