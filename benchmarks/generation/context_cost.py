@@ -5,9 +5,10 @@ compiled), with the real target and drafter in the fast dtype of this machine (`
 
 - `step`: one plain decoding forward (1 token) after c cached tokens (eager: a DynamicCache; compiled: the forward
   through `torch.compile` over a StaticCache of the loop's length);
-- `verify`: the target's verification forward of one block (B tokens, with the hidden states the drafter reads);
-- `draft`: the drafter's pass as the loop runs it (`BlockDrafter`: B new context features injected into its cache,
-  the block, the draft head; eager in both modes, as the loop runs it), after c cached context features;
+- `verify`: the target's verification forward of one block (B tokens, with the hidden states the drafter reads),
+  its linear layers packed as the loop packs them (`drafter.linear_packing`, default "auto");
+- `draft`: the drafter's pass as the loop runs it (`BlockDrafter`, packed alike: B new context features injected
+  into its cache, the block, the draft head; eager in both modes), after c cached context features;
 - `plain loop` and `round`: `generate` itself on a c-token prompt, plain and DFlash (the trained block every round),
   timed between consecutive streamer calls (one per plain step, one per DFlash round: everything a round does,
   cache crops, masks, acceptance, commit included); medians over `--new-tokens` tokens per call and `--reps` calls,
@@ -38,6 +39,7 @@ import torch
 import hf_dflash  # noqa: F401  (registers the generate hook)
 from hf_dflash.bench.loading import machine_description
 from hf_dflash.checkpoints import load_drafter
+from hf_dflash.generation.linear_packing import loop_linear_packing
 from hf_dflash.generation.policies.cost_timing import ServedRound
 from hf_dflash.generation.verifying.compiling import compiled_generate_kwargs, static_cache, static_slots
 from hf_dflash.json_files import write_json_atomic
@@ -94,11 +96,11 @@ def eager_components(target, drafter, context: int, reps: int) -> dict:
     block = drafter.config.block_size
     served = ServedRound(target, drafter, 1, context)
     ids = served.token_ids
-    return {
-        "step": median_seconds(lambda: served.target_pass(ids[:, :1]), reps),
-        "verify": median_seconds(lambda: served.target_pass(ids[:, :block]), reps),
-        "draft": median_seconds(lambda: served.draft(block), reps),
-    }
+    row = {"step": median_seconds(lambda: served.target_pass(ids[:, :1]), reps)}
+    with loop_linear_packing(target, drafter):  # as the loop runs its rounds (plain decoding: unpacked)
+        row["verify"] = median_seconds(lambda: served.target_pass(ids[:, :block]), reps)
+        row["draft"] = median_seconds(lambda: served.draft(block), reps)
+    return row
 
 
 @torch.no_grad()
@@ -118,7 +120,10 @@ def compiled_components(target, drafter, context: int, slots: int, reps: int) ->
                 position_ids=positions[None], use_cache=True, output_hidden_states=hidden_request)  # fmt: skip
         cache.crop(-n)
 
-    return {"step": median_seconds(lambda: one_pass(1), reps), "verify": median_seconds(lambda: one_pass(block), reps)}
+    row = {"step": median_seconds(lambda: one_pass(1), reps)}
+    with loop_linear_packing(target, drafter):
+        row["verify"] = median_seconds(lambda: one_pass(block), reps)
+    return row
 
 
 def loop_timings(target, drafter, prompt: torch.LongTensor, args, compiled: bool) -> dict:
