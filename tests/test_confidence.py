@@ -85,12 +85,15 @@ def test_plain_steps_without_a_drafter_pass_while_drafting_does_not_pay():
     assert controller.prefix(torch.tensor([[0.01, 0.01, 0.01]])) == 0  # 1 token for 1.3 s against 1 for 1
     assert [controller.choose([0]) for _ in range(PROBE_EVERY)] == [1] * (PROBE_EVERY - 1) + [4]  # then a probe
     controller.prefix(torch.tensor([[0.99, 0.99, 0.99]]))  # 3.9 tokens for 2.8 s: drafting pays again
-    assert controller.choose([0]) == 4 and controller.drafting_gain > 0  # weighed when the round ends
+    assert controller.choose([0]) == 4 and controller.drafting_gain(1) > 0  # weighed when the round ends
 
 
-def timed_confident_choices(monkeypatch, cost: CostModel, drafted_seconds: float, calibrate: bool) -> list[int]:
+def timed_confident_choices(
+    monkeypatch, cost: CostModel, drafted_seconds: float, calibrate: bool, plain_seconds=1.0, sure=0.9, accepted=None
+) -> list[int]:
     """The block lengths a controller (B = 4) chooses over 12 rounds when a drafted round takes `drafted_seconds`
-    and a plain step 1 s (a fake clock), the drafter 90% sure of each draft and every draft accepted."""
+    and a plain step `plain_seconds` (a fake clock), the drafter `sure` of each draft and `accepted` drafts
+    accepted (None: all)."""
     import hf_dflash.generation.policies.confidence as confidence
 
     controller = PrefixController(4, cost, False, DraftCalibration(), calibrate=calibrate)
@@ -98,7 +101,7 @@ def timed_confident_choices(monkeypatch, cost: CostModel, drafted_seconds: float
 
     def clock():
         if controller.pending is not None:
-            now[0] += 1.0 if controller.pending[1] is None else drafted_seconds
+            now[0] += plain_seconds if controller.pending[1] is None else drafted_seconds
         return now[0]
 
     monkeypatch.setattr(confidence.time, "perf_counter", clock)
@@ -106,8 +109,8 @@ def timed_confident_choices(monkeypatch, cost: CostModel, drafted_seconds: float
     for _ in range(12):
         chosen.append(controller.choose([0]))
         if chosen[-1] > 1:
-            drafts = controller.prefix(torch.full((1, 3), 0.9))
-            controller.observe([0], drafts, torch.tensor([drafts]))
+            drafts = controller.prefix(torch.full((1, 3), sure))
+            controller.observe([0], drafts, torch.tensor([drafts if accepted is None else min(accepted, drafts)]))
     return chosen
 
 
@@ -127,6 +130,16 @@ def test_timed_rounds_fall_back_to_plain_steps_where_drafting_does_not_pay(monke
     assert timed_confident_choices(monkeypatch, underpriced, 1.2, calibrate=True) == [4] * 12
     chosen = timed_confident_choices(monkeypatch, underpriced, 8.0, calibrate=True)  # 4 tokens in 8 s
     assert chosen[:3] == [4, 1, 1] and chosen.count(4) == 2  # one probe in the 11 rounds after the first
+
+
+def test_a_long_prompt_reprices_the_plain_step_once_one_is_timed(monkeypatch):
+    """A cost model timed after a short context: verifying costs 1 s, the drafter's pass 0.3 s. After a long prompt
+    every forward takes twice that: a drafted round 2.6 s for 2 tokens (one draft accepted), a plain step 2 s, so
+    drafting pays (0.77 vs 0.5 tokens/s). Weighed against the modelled 1 s step, the first round looks a loss and a
+    plain step follows; its 2 s re-prices that round, and the rounds draft again instead of probing every 8th."""
+    cost = CostModel.from_function(lambda k: 1.0 if k == 1 else 1.3, 4, FLAT_COST)
+    chosen = timed_confident_choices(monkeypatch, cost, 2.6, calibrate=True, plain_seconds=2.0, sure=0.3, accepted=1)
+    assert chosen[:3] == [4, 1, 4] and chosen.count(1) == 1
 
 
 def test_a_measured_cost_model_is_calibrated_and_a_given_one_is_not(monkeypatch):

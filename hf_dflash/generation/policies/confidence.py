@@ -135,7 +135,8 @@ class PrefixController:
     calibrate: bool = False
     # rows -> (seconds of a round verifying m = 0..B-1 drafts (B,), the drafter's pass at block B)
     seconds: dict[int, tuple[torch.Tensor, float]] = field(init=False, default_factory=dict)
-    drafting_gain: float = field(init=False, default=0.0)  # discounted tokens/s of drafted rounds over plain steps
+    drafted_rate: float = field(init=False, default=0.0)  # discounted tokens/s of the drafted rounds
+    drafted_weight: float = field(init=False, default=0.0)  # their discounted count
     plain_rounds: int = field(init=False, default=0)  # plain steps taken in a row because drafting did not pay
     timed: dict[int, TimedRounds] = field(init=False, default_factory=dict)  # rows -> this call's timed rounds
     pending: tuple[int, int | None, float] | None = field(init=False, default=None)  # (rows, m or None, start)
@@ -145,7 +146,7 @@ class PrefixController:
         if self.pending is not None:
             self.end_round(now)
         self.pending = (len(rows), None, now)  # a plain step unless `prefix` says how many drafts it verifies
-        if self.drafting_gain < 0 and self.plain_rounds < PROBE_EVERY - 1:
+        if self.drafting_gain(len(rows)) < 0 and self.plain_rounds < PROBE_EVERY - 1:
             self.plain_rounds += 1
             return 1
         self.plain_rounds = 0
@@ -172,9 +173,19 @@ class PrefixController:
             self.pending = (self.pending[0], m, self.pending[2])
         return m
 
+    def drafting_gain(self, rows: int) -> float:
+        """Tokens/s the drafted rounds gained over plain steps (recent rounds weigh more), each weighed against a plain
+        step's price now: its time in this call once one was timed, else as modelled. A first timed plain step thus
+        re-prices every earlier round: a cost model timed after a short context prices a plain step after a long
+        prompt far too cheap (SmolLM2, bf16, 4,096 tokens: ~2.8x its price at 256), where the drafted rounds are
+        priced by their own timings; weighed against that price, drafting that pays would lose for several probes."""
+        timed = self.timed.get(rows)
+        plain_seconds = (timed.plain_seconds if timed is not None else None) or float(self.prices(rows)[0][0])
+        return self.drafted_rate - self.drafted_weight / plain_seconds
+
     def end_round(self, now: float) -> None:
-        """The round begun at the last `choose` ended: time it (with `calibrate`) and, when it drafted, weigh what
-        its drafting gained over a plain step (`drafting_gain`)."""
+        """The round begun at the last `choose` ended: time it (with `calibrate`) and, when it drafted, count the
+        tokens per second its drafting gave (`drafting_gain`)."""
         rows, m, start = self.pending
         verify, drafting = self.prices(rows)
         priced = float(verify[0]) if m is None else drafting + float(verify[m])
@@ -186,9 +197,9 @@ class PrefixController:
         if m is None:
             return
         drafted_seconds = priced * (timed.drafted_ratio or 1.0)
-        plain_seconds = timed.plain_seconds or float(verify[0])
         drafted = (1 + self.calibration.factor * self.calibration.expected) / drafted_seconds
-        self.drafting_gain = self.calibration.decay * self.drafting_gain + drafted - 1 / plain_seconds
+        self.drafted_rate = self.calibration.decay * self.drafted_rate + drafted
+        self.drafted_weight = self.calibration.decay * self.drafted_weight + 1
 
     def observe(self, rows: Sequence[int], num_drafts: int, num_accepted: torch.Tensor) -> None:
         if num_drafts:
