@@ -72,7 +72,8 @@ $(PREVIOUS):
 # 2.13.0+cpu (ours) but pulls the registry's torchvision / torchaudio / torchcodec, built against another torch:
 # they break `import vllm`, and a text model needs none of them, so they are removed. Measured on 2 cores (Intel
 # Xeon): the install 2 min 19 s (torch from the machine's wheel folder; 3.5 GB), the test 11 min 26 s on a machine
-# shared with other jobs (load average ~11; vLLM's two engines 335 s of it, our loop most of the rest).
+# shared with other jobs (load average ~11; vLLM's two engines 335 s of it, our loop most of the rest). On a fresh
+# clone (AMD EPYC Zen 4, pip's download cache warm) the whole `make test-engines`, every virtualenv built: 11 min 42 s.
 ENGINES_VENV := .cache/engines-venv
 ENGINES_STAMP := $(ENGINES_VENV)/.installed
 
