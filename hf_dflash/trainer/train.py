@@ -240,6 +240,7 @@ def build_datasets(section: dict, args: DFlashTrainingArguments, drafter: DFlash
             section["tokenized"],
             target_layer_ids=drafter.config.target_layer_ids,
             hidden_size=drafter.config.target_hidden_size,
+            load_teacher=args.loss_type != "ce",  # cross-entropy never reads it
         )
         if args.loss_type != "ce" and not dataset.teacher_top_k:
             raise ValueError(

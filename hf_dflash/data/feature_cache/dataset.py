@@ -48,6 +48,7 @@ class OfflineFeatureDataset(Dataset):
         hidden_size: int,
         target_fingerprint: dict | None = None,
         verify: str = "size",
+        load_teacher: bool = True,
     ):
         if verify not in ("size", "full"):
             raise ValueError(f"verify={verify!r}; use 'size' (sizes and headers) or 'full' (also sha256).")
@@ -62,6 +63,7 @@ class OfflineFeatureDataset(Dataset):
         samples = sorted(self.index["samples"].items(), key=lambda item: (item[1]["file"], item[1]["offset"]))
         self.sample_ids = [sample_id for sample_id, _ in samples]
         self.teacher_top_k = int(self.index.get("teacher_top_k", 0))
+        self.load_teacher = load_teacher  # False: items leave a cached teacher out (cross-entropy training)
         self.lengths = [entry["length"] for _, entry in samples]
         self._handles: dict[str, object] = {}
         self._owner_pid = os.getpid()
@@ -175,7 +177,7 @@ class OfflineFeatureDataset(Dataset):
             "loss_mask": torch.tensor(sample["loss_mask"], dtype=torch.long),
             "target_hidden_states": features,
         }
-        if self.teacher_top_k:
+        if self.teacher_top_k and self.load_teacher:
             shard = self._shard(entry["shard"])
             item["teacher_ids"] = shard.get_tensor(entry["key"] + TEACHER_IDS).long()
             item["teacher_logprobs"] = shard.get_tensor(entry["key"] + TEACHER_LOGPROBS)
