@@ -178,6 +178,32 @@ def test_a_prefix_of_drafts_keeps_its_scores_and_probabilities():
     assert Drafts(drafts.tokens).prefix(0).scores is None and Drafts(drafts.tokens).prefix(0).tokens.shape == (2, 0)
 
 
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_a_sampled_draft_is_priced_by_the_chance_two_draws_agree(kind):
+    """Under sampling a draft x ~ q is accepted with min(1, p(x)/q(x)), unknown before the target verifies it. Its
+    price is sum_v q_v^2 (q(x) averaged over the draws): the draw's own q(x) fell short of it on held-out sampled
+    chats (benchmarks/generation/sampling_confidence.py), and two draws of one round get one price."""
+    from transformers import LogitsProcessorList
+    from transformers.generation.logits_process import TemperatureLogitsWarper
+
+    from hf_dflash.generation.drafting.block_drafter import BlockDrafter
+
+    target = make_target("qwen3", seed=3)
+    drafter = dflash2_drafter(target) if kind == "dflash2" else make_drafter(target, block_size=4, seed=4)
+    block = BlockDrafter(drafter, target)
+    hidden = torch.randn(2, drafter.config.block_size - 1, drafter.config.hidden_size)
+    processors = LogitsProcessorList([TemperatureLogitsWarper(50.0)])  # flat enough that two draws differ
+    prefixes, anchors = [torch.tensor([1, 2]), torch.tensor([3])], torch.tensor([5, 9])
+    draws = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        draws.append(block.draft(hidden, True, processors, 2, [0, 1], prefixes, anchors, confidence=True))
+    assert not torch.equal(draws[0].tokens, draws[1].tokens)
+    for drafts in draws:
+        torch.testing.assert_close(drafts.probabilities, drafts.scores.square().sum(-1))
+    torch.testing.assert_close(draws[0].probabilities[:, 0], draws[1].probabilities[:, 0])
+
+
 # --- lossless whatever is verified ---
 
 

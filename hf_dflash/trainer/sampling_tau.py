@@ -26,7 +26,7 @@ from .consistency import reply_spans
 from .forward import dflash_training_forward
 from .maths import build_blocks
 
-__all__ = ["DRAFT_RULES", "draft_acceptance", "expected_chain_tau", "sampling_tau_estimate"]
+__all__ = ["DRAFT_RULES", "draft_acceptance", "expected_chain_tau", "sampling_tau_estimate", "slot_distributions"]
 
 DRAFT_RULES = ("sample", "argmax", "top-2", "top-4")
 
@@ -57,23 +57,15 @@ def expected_chain_tau(acceptance: torch.Tensor, drafted: torch.Tensor) -> torch
 
 
 @torch.no_grad()
-def sampling_tau_estimate(
-    drafter,
-    target,
-    samples: list[dict],
-    temperatures: list[float],
-    rules: tuple[str, ...] = DRAFT_RULES,
-    anchors_per_forward: int = 32,
-) -> dict[float, dict[str, float]]:
-    """{T: {rule: mean expected τ over every anchor}} of `drafter` on `samples` (`{"input_ids", "loss_mask"}`), for
-    each sampling temperature T > 0 and draft rule (`draft_acceptance`)."""
+def slot_distributions(drafter, target, samples: list[dict], temperatures: list[float], anchors_per_forward: int = 32):
+    """Yield (T, p, q, drafted) for every chunk of anchors of every sample and each temperature T > 0: the target's
+    next-token distribution p (A, L, V) and the drafter's q (A, L, V) at the block's L = block_size - 1 draft slots
+    (both at T, float32), and drafted (A, L) marking the slots inside the reply. Anchors: every reply position but
+    the last; the prefix before a slot is the chat's own tokens (see the module docstring)."""
     if not temperatures or any(t <= 0 for t in temperatures):
         raise ValueError(f"temperatures={temperatures!r}: give one or more sampling temperatures > 0.")
-    for rule in rules:
-        rule_width(rule)  # names an unknown rule before any forward
     config, lm_head, embedding = drafter.config, target.get_output_embeddings(), target.get_input_embeddings()
     block_size, device = config.block_size, next(drafter.parameters()).device
-    taus = {t: {rule: [] for rule in rules} for t in temperatures}
     for sample in samples:
         input_ids = torch.as_tensor(sample["input_ids"], device=device)[None]  # (1, S)
         loss_mask = torch.as_tensor(sample["loss_mask"], device=device)[None]
@@ -98,9 +90,25 @@ def sampling_tau_estimate(
             slot_target = target_logits[slot_positions - 1].float()  # (A, L, V) predicts the token at each slot
             drafted = (blocks["loss_weights"].view(len(chunk), block_size)[:, 1:] > 0).float()
             for t in temperatures:
-                p, q = (slot_target / t).softmax(-1), (draft_logits / t).softmax(-1)
-                for rule in rules:
-                    taus[t][rule].append(expected_chain_tau(draft_acceptance(p, q, rule), drafted))
+                yield t, (slot_target / t).softmax(-1), (draft_logits / t).softmax(-1), drafted
+
+
+def sampling_tau_estimate(
+    drafter,
+    target,
+    samples: list[dict],
+    temperatures: list[float],
+    rules: tuple[str, ...] = DRAFT_RULES,
+    anchors_per_forward: int = 32,
+) -> dict[float, dict[str, float]]:
+    """{T: {rule: mean expected τ over every anchor}} of `drafter` on `samples` (`{"input_ids", "loss_mask"}`), for
+    each sampling temperature T > 0 and draft rule (`draft_acceptance`)."""
+    for rule in rules:
+        rule_width(rule)  # names an unknown rule before any forward
+    taus = {t: {rule: [] for rule in rules} for t in temperatures}
+    for t, p, q, drafted in slot_distributions(drafter, target, samples, temperatures, anchors_per_forward):
+        for rule in rules:
+            taus[t][rule].append(expected_chain_tau(draft_acceptance(p, q, rule), drafted))
     return {
         t: {rule: round(float(torch.cat(v).mean()), 4) if v else 0.0 for rule, v in by.items()}
         for t, by in taus.items()
