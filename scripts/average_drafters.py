@@ -9,12 +9,14 @@ apart from its dtype and serving settings) and the same draft vocabulary; the me
     python scripts/average_drafters.py models/smollm2-135m-instruct-dflash out/v6h/n64 --out out/soup
     python benchmarks/training/heldout_tau.py out/soup --eval-part regen-bf16-part2 --samples 64
 
-The first drafter's config (with its serving recommendation, `block_size_policy`) is the result's.
+The first drafter's config (with its serving recommendation, `block_size_policy`) is the result's; its training
+record (for `hf-dflash export`'s card) is the last source's that has one, naming every source under `averaged_from`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +26,8 @@ import torch
 from hf_dflash.checkpoints import load_drafter
 from hf_dflash.checkpoints.converting import check_destination
 from hf_dflash.checkpoints.hub import save_hub
+from hf_dflash.hub_cards.schemas import TRAINING_RECORD_NAME, load_training_record
+from hf_dflash.packaged_files import file_sha256
 from hf_dflash.user_errors import run_reporting_errors
 
 # Config fields that do not shape the weights (where it was loaded from, dtype, serving settings): they may differ.
@@ -86,7 +90,23 @@ def average_drafters(paths: Sequence[str], out_dir: str | Path, dtype: str = "bf
     check_same_draft_vocab(drafters, [str(path) for path in paths])
     soup = drafters[0]
     soup.load_state_dict(average_state_dicts([drafter.state_dict() for drafter in drafters]))
-    return save_hub(soup, out_dir, dtype=getattr(torch, dtype))
+    out = save_hub(soup, out_dir, dtype=getattr(torch, dtype))
+    if (record := averaged_record(paths)) is not None:
+        (out / TRAINING_RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n")
+    return out
+
+
+def averaged_record(paths: Sequence[str]) -> dict | None:
+    """The training record of the mean: the last source's that has one (its run, data and settings), with every
+    source's path and weights' sha256 under `averaged_from`; None where no source has a record."""
+    records = [Path(path) / TRAINING_RECORD_NAME for path in paths if (Path(path) / TRAINING_RECORD_NAME).is_file()]
+    if not records:
+        return None
+    sources = []
+    for path in paths:
+        weights = Path(path) / "model.safetensors"
+        sources.append({"path": str(path), **({"weights_sha256": file_sha256(weights)} if weights.is_file() else {})})
+    return load_training_record({**load_training_record(records[-1]), "averaged_from": sources})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -41,6 +41,26 @@ def test_the_mean_of_two_drafters_is_their_weights_mean(tmp_path):
     assert any(not torch.equal(first[key], second[key]) for key in first)  # two different drafters
 
 
+def test_the_mean_keeps_the_training_record_and_names_what_it_averaged(tmp_path):
+    """A mean shipped with `hf-dflash export` carries a record: the last source's run, and every source's weights."""
+    import json
+
+    from hf_dflash.hub_cards.schemas import load_training_record
+
+    target = make_target("llama")
+    paths = saved_drafters(tmp_path, target)
+    record = {"data_sources": {"tokenized": 8}, "hyperparameters": {"block_size": 4}, "training_time_s": 12.0}
+    (paths[1] / "training_record.json").write_text(json.dumps(record))
+    out = average.average_drafters([str(p) for p in paths], tmp_path / "soup", dtype="float32")
+    written = load_training_record(out / "training_record.json")
+    assert {key: written[key] for key in record} == record
+    assert written["averaged_from"] == [
+        {"path": str(path), "weights_sha256": average.file_sha256(path / "model.safetensors")} for path in paths
+    ]
+    bare = average.average_drafters([str(paths[0]), str(paths[0])], tmp_path / "bare", dtype="float32")
+    assert not (bare / "training_record.json").exists()  # no source has a record: none is made up
+
+
 def test_other_architectures_and_existing_folders_are_refused(tmp_path):
     target = make_target("llama")
     paths = saved_drafters(tmp_path, target)

@@ -438,6 +438,20 @@ def test_training_record_validation():
         load_training_record({**RECORD, "data_sources": {"gsm8k": -1}})
     with pytest.raises(ValueError, match=r"missing field\(s\) hyperparameters"):
         load_training_record({k: v for k, v in RECORD.items() if k != "hyperparameters"})
+    averaged = {**RECORD, "averaged_from": [{"path": "a", "weights_sha256": "12ab"}, {"path": "b"}]}
+    assert load_training_record(averaged) == averaged
+    with pytest.raises(ValueError, match=r"averaged_from"):
+        load_training_record({**RECORD, "averaged_from": ["a"]})
+
+
+def test_a_card_says_its_weights_are_a_mean():
+    from hf_dflash.hub_cards import render_model_card
+    from tests.conftest import make_drafter, make_target
+
+    config = make_drafter(make_target("llama"), block_size=4).config
+    sources = [{"path": "out/start", "weights_sha256": "aa11"}, {"path": "out/cycle", "weights_sha256": "bb22"}]
+    text = render_model_card(config, TARGET_ID, training_record={**RECORD, "averaged_from": sources}).text
+    assert "- Weights: the mean of `out/start` (weights sha256 `aa11`) and `out/cycle` (weights sha256 `bb22`)." in text
 
 
 def test_training_record_callback(tmp_path, drafter_dir):

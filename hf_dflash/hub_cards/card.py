@@ -86,6 +86,7 @@ def _training_context(record: dict) -> dict:
         "hardware": record.get("hardware"),
         "global_steps": record.get("global_steps"),
         "init_from": record.get("init_from"),
+        "averaged_from": record.get("averaged_from"),
         "sources": [(_cell(name), count) for name, count in sources.items()],
         "hyperparameters": [(_cell(k), _value(v)) for k, v in record["hyperparameters"].items()],
         "final_metrics": [(_cell(k), format_number(v)) for k, v in record.get("final_metrics", {}).items()],

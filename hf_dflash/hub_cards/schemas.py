@@ -54,6 +54,7 @@ RECORD_OPTIONAL = {
     "draft_vocab": dict,  # trainer.draft_vocab.draft_vocab_report: size, coverage, sizes per coverage
     "derived_settings": dict,  # hf-dflash recipe: {name: {value, source ("derived"/"config"), reason}}
     "init_from": dict,  # a continued run: {path, weights_sha256 (local folders), upgrade_to_dflash2 (if any)}
+    "averaged_from": list,  # weights averaged after training (scripts/average_drafters.py): [{path, weights_sha256}]
 }
 _JSON_TYPES = {str: "string", dict: "object", list: "array", int: "integer", float: "number", bool: "boolean"}
 
@@ -133,6 +134,13 @@ def validate_training_record(data: dict, source: str = "training record") -> dic
     for dataset in data.get("datasets") or []:
         if not isinstance(dataset, str) or not dataset:
             problems.mistyped.append(f"datasets entry {dataset!r} (a Hub dataset id such as 'openai/gsm8k')")
+    for source in data.get("averaged_from") or []:
+        if (
+            not isinstance(source, dict)
+            or not isinstance(source.get("path"), str)
+            or set(source) - {"path", "weights_sha256"}
+        ):
+            problems.mistyped.append(f"averaged_from entry {source!r} (an object {{path, weights_sha256}})")
     if isinstance(data.get("data_sources"), dict) and not data["data_sources"]:
         problems.missing.append("data_sources.<source> (at least one data source)")
     unknown = sorted(set(data) - set(RECORD_REQUIRED) - set(RECORD_OPTIONAL))
