@@ -1,4 +1,5 @@
-"""The training data committed in `data/`: every shard intact and counted as its manifest says."""
+"""The data committed in `data/`: every shard intact and counted as its manifest says (the training chats, and the
+target's replies to unseen bench prompts that drafters are scored on)."""
 
 from collections import Counter
 from pathlib import Path
@@ -7,12 +8,17 @@ import pytest
 
 from hf_dflash.data.packed import PackedDataset, read_manifest, source_of
 
-FOLDER = Path(__file__).resolve().parent.parent / "data" / "smollm2-135m-instruct"
+DATA = Path(__file__).resolve().parent.parent / "data"
+FOLDERS = [
+    "smollm2-135m-instruct",
+    *(f"smollm2-135m-instruct-unseen/{kind}" for kind in ("greedy", "chat-t0.7", "creative")),
+]
 
 
-@pytest.fixture(scope="module")
-def committed():
-    return PackedDataset(FOLDER, vocab_size=49152), read_manifest(FOLDER)  # checks every shard's sha256
+@pytest.fixture(scope="module", params=FOLDERS)
+def committed(request):
+    folder = DATA / request.param
+    return PackedDataset(folder, vocab_size=49152), read_manifest(folder)  # checks every shard's sha256
 
 
 def test_the_committed_data_matches_its_manifest(committed):
