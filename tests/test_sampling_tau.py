@@ -38,3 +38,18 @@ def test_near_zero_temperature_equals_the_greedy_all_anchor_tau():
     assert estimate[1.0]["top-4"] >= estimate[1.0]["top-2"] >= estimate[1.0]["argmax"]
     with pytest.raises(ValueError, match="temperatures"):
         sampling_tau_estimate(drafter, target, [sample], [0.0])
+
+
+def test_a_draft_temperature_changes_the_sampled_drafts_only():
+    target, prompt, plain, drafter = oracle_on_a_40_token_reply()
+    sample = {"input_ids": plain[0].tolist(), "loss_mask": [0] * prompt.shape[1] + [1] * 40}
+    at_call = sampling_tau_estimate(drafter, target, [sample], [0.7], anchors_per_forward=7)
+    same = sampling_tau_estimate(drafter, target, [sample], [0.7], anchors_per_forward=7, draft_temperature=0.7)
+    cooler = sampling_tau_estimate(drafter, target, [sample], [0.7], anchors_per_forward=7, draft_temperature=0.3)
+    assert same == at_call
+    assert cooler[0.7]["sample"] != at_call[0.7]["sample"]
+    assert {rule: cooler[0.7][rule] for rule in ("argmax", "top-2")} == {
+        rule: at_call[0.7][rule] for rule in ("argmax", "top-2")
+    }
+    with pytest.raises(ValueError, match="draft_temperature"):
+        sampling_tau_estimate(drafter, target, [sample], [0.7], draft_temperature=0.0)

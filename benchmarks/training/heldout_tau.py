@@ -54,6 +54,11 @@ def main() -> None:
     parser.add_argument("--tree-budgets", default="", help="comma-separated tree sizes N (nodes, root included)")
     parser.add_argument("--top-k", type=int, default=16, help="candidates per draft slot in a tree")
     parser.add_argument("--temperatures", default="", help="comma-separated sampling temperatures > 0 to score")
+    parser.add_argument(
+        "--draft-temperatures",
+        default="",
+        help="comma-separated draft temperatures T' > 0: also score drafts sampled from q at T' (drafter.draft_temperature)",
+    )
     parser.add_argument("--out", default="out/heldout_tau.json")
     args = parser.parse_args()
     budgets = [int(n) for n in args.tree_budgets.split(",") if n]
@@ -105,6 +110,13 @@ def main() -> None:
             for t, by_rule in sampled.items():
                 shown = ", ".join(f"{rule} {tau:.3f}" for rule, tau in by_rule.items())
                 print(f"  temperature {t}: expected all-anchor τ {shown}", flush=True)
+            for draft_t in [float(x) for x in args.draft_temperatures.split(",") if x]:
+                drafted_at = sampling_tau_estimate(drafter, target, held_out, temperatures, ("sample",), 32, draft_t)
+                rows[-1].setdefault("draft_temperatures", {})[str(draft_t)] = {
+                    str(t): by_rule["sample"] for t, by_rule in drafted_at.items()
+                }
+                shown = ", ".join(f"T {t}: {by_rule['sample']:.3f}" for t, by_rule in drafted_at.items())
+                print(f"  drafts sampled at T' = {draft_t}: expected all-anchor τ {shown}", flush=True)
     held = (
         f"the first {len(held_out)} chats of part {args.eval_part}"
         if args.eval_part

@@ -57,11 +57,21 @@ def expected_chain_tau(acceptance: torch.Tensor, drafted: torch.Tensor) -> torch
 
 
 @torch.no_grad()
-def slot_distributions(drafter, target, samples: list[dict], temperatures: list[float], anchors_per_forward: int = 32):
+def slot_distributions(
+    drafter,
+    target,
+    samples: list[dict],
+    temperatures: list[float],
+    anchors_per_forward: int = 32,
+    draft_temperature: float | None = None,
+):
     """Yield (T, p, q, drafted) for every chunk of anchors of every sample and each temperature T > 0: the target's
     next-token distribution p (A, L, V) and the drafter's q (A, L, V) at the block's L = block_size - 1 draft slots
-    (both at T, float32), and drafted (A, L) marking the slots inside the reply. Anchors: every reply position but
-    the last; the prefix before a slot is the chat's own tokens (see the module docstring)."""
+    (both at T, float32; q at `draft_temperature` instead when given, as `drafter.draft_temperature` drafts), and
+    drafted (A, L) marking the slots inside the reply. Anchors: every reply position but the last; the prefix
+    before a slot is the chat's own tokens (see the module docstring)."""
+    if draft_temperature is not None and not draft_temperature > 0:
+        raise ValueError(f"draft_temperature={draft_temperature!r}: give a temperature > 0 (or None: the call's).")
     if not temperatures or any(t <= 0 for t in temperatures):
         raise ValueError(f"temperatures={temperatures!r}: give one or more sampling temperatures > 0.")
     config, lm_head, embedding = drafter.config, target.get_output_embeddings(), target.get_input_embeddings()
@@ -90,7 +100,7 @@ def slot_distributions(drafter, target, samples: list[dict], temperatures: list[
             slot_target = target_logits[slot_positions - 1].float()  # (A, L, V) predicts the token at each slot
             drafted = (blocks["loss_weights"].view(len(chunk), block_size)[:, 1:] > 0).float()
             for t in temperatures:
-                yield t, (slot_target / t).softmax(-1), (draft_logits / t).softmax(-1), drafted
+                yield t, (slot_target / t).softmax(-1), (draft_logits / (draft_temperature or t)).softmax(-1), drafted
 
 
 def sampling_tau_estimate(
@@ -100,13 +110,16 @@ def sampling_tau_estimate(
     temperatures: list[float],
     rules: tuple[str, ...] = DRAFT_RULES,
     anchors_per_forward: int = 32,
+    draft_temperature: float | None = None,
 ) -> dict[float, dict[str, float]]:
     """{T: {rule: mean expected τ over every anchor}} of `drafter` on `samples` (`{"input_ids", "loss_mask"}`), for
-    each sampling temperature T > 0 and draft rule (`draft_acceptance`)."""
+    each sampling temperature T > 0 and draft rule (`draft_acceptance`); `draft_temperature`: the drafter's q at that
+    temperature rather than the call's (the argmax and top-N rules do not change)."""
     for rule in rules:
         rule_width(rule)  # names an unknown rule before any forward
     taus = {t: {rule: [] for rule in rules} for t in temperatures}
-    for t, p, q, drafted in slot_distributions(drafter, target, samples, temperatures, anchors_per_forward):
+    slots = slot_distributions(drafter, target, samples, temperatures, anchors_per_forward, draft_temperature)
+    for t, p, q, drafted in slots:
         for rule in rules:
             taus[t][rule].append(expected_chain_tau(draft_acceptance(p, q, rule), drafted))
     return {
