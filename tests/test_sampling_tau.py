@@ -53,3 +53,16 @@ def test_a_draft_temperature_changes_the_sampled_drafts_only():
     }
     with pytest.raises(ValueError, match="draft_temperature"):
         sampling_tau_estimate(drafter, target, [sample], [0.7], draft_temperature=0.0)
+
+
+def test_several_draft_temperatures_in_one_pass_equal_one_at_a_time():
+    from hf_dflash.trainer.sampling_tau import draft_temperature_taus
+
+    target, prompt, plain, drafter = oracle_on_a_40_token_reply()
+    sample = {"input_ids": plain[0].tolist(), "loss_mask": [0] * prompt.shape[1] + [1] * 40}
+    together = draft_temperature_taus(drafter, target, [sample], [0.7, 1.0], [0.3, 0.7])
+    for draft_t in (0.3, 0.7):
+        alone = sampling_tau_estimate(drafter, target, [sample], [0.7, 1.0], ("sample",), 32, draft_t)
+        assert together[draft_t] == {t: by_rule["sample"] for t, by_rule in alone.items()}
+    with pytest.raises(ValueError, match="draft_temperature"):
+        draft_temperature_taus(drafter, target, [sample], [0.7], [-1.0])

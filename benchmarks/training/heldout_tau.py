@@ -33,7 +33,7 @@ from hf_dflash.checkpoints import load_drafter
 from hf_dflash.targets import load_target
 from hf_dflash.trainer.consistency import served_tree_tau_estimates
 from hf_dflash.trainer.heldout import held_out_samples, heldout_tau_row
-from hf_dflash.trainer.sampling_tau import sampling_tau_estimate
+from hf_dflash.trainer.sampling_tau import draft_temperature_taus, sampling_tau_estimate
 
 
 def main() -> None:
@@ -71,6 +71,7 @@ def main() -> None:
     if budgets and args.reply_tokens is not None:
         parser.error("--reply-tokens scores the chain only; drop --tree-budgets or --reply-tokens.")
     temperatures = [float(t) for t in args.temperatures.split(",") if t]
+    draft_temperatures = [float(t) for t in args.draft_temperatures.split(",") if t]
     if any(t <= 0 for t in temperatures):
         parser.error(f"--temperatures must be > 0 (greedy is the default figure), got {args.temperatures!r}.")
     if args.threads is not None:
@@ -110,13 +111,14 @@ def main() -> None:
             for t, by_rule in sampled.items():
                 shown = ", ".join(f"{rule} {tau:.3f}" for rule, tau in by_rule.items())
                 print(f"  temperature {t}: expected all-anchor τ {shown}", flush=True)
-            for draft_t in [float(x) for x in args.draft_temperatures.split(",") if x]:
-                drafted_at = sampling_tau_estimate(drafter, target, held_out, temperatures, ("sample",), 32, draft_t)
-                rows[-1].setdefault("draft_temperatures", {})[str(draft_t)] = {
-                    str(t): by_rule["sample"] for t, by_rule in drafted_at.items()
+            if draft_temperatures:
+                taus = draft_temperature_taus(drafter, target, held_out, temperatures, draft_temperatures)
+                rows[-1]["draft_temperatures"] = {
+                    str(d): {str(t): tau for t, tau in by.items()} for d, by in taus.items()
                 }
-                shown = ", ".join(f"T {t}: {by_rule['sample']:.3f}" for t, by_rule in drafted_at.items())
-                print(f"  drafts sampled at T' = {draft_t}: expected all-anchor τ {shown}", flush=True)
+                for draft_t, by_t in taus.items():
+                    shown = ", ".join(f"T {t}: {tau:.3f}" for t, tau in by_t.items())
+                    print(f"  drafts sampled at T' = {draft_t}: expected all-anchor τ {shown}", flush=True)
     held = (
         f"the first {len(held_out)} chats of part {args.eval_part}"
         if args.eval_part

@@ -26,7 +26,15 @@ from .consistency import reply_spans
 from .forward import dflash_training_forward
 from .maths import build_blocks
 
-__all__ = ["DRAFT_RULES", "draft_acceptance", "expected_chain_tau", "sampling_tau_estimate", "slot_distributions"]
+__all__ = [
+    "DRAFT_RULES",
+    "draft_acceptance",
+    "draft_temperature_taus",
+    "expected_chain_tau",
+    "sampling_tau_estimate",
+    "slot_distributions",
+    "slot_logits",
+]
 
 DRAFT_RULES = ("sample", "argmax", "top-2", "top-4")
 
@@ -57,23 +65,11 @@ def expected_chain_tau(acceptance: torch.Tensor, drafted: torch.Tensor) -> torch
 
 
 @torch.no_grad()
-def slot_distributions(
-    drafter,
-    target,
-    samples: list[dict],
-    temperatures: list[float],
-    anchors_per_forward: int = 32,
-    draft_temperature: float | None = None,
-):
-    """Yield (T, p, q, drafted) for every chunk of anchors of every sample and each temperature T > 0: the target's
-    next-token distribution p (A, L, V) and the drafter's q (A, L, V) at the block's L = block_size - 1 draft slots
-    (both at T, float32; q at `draft_temperature` instead when given, as `drafter.draft_temperature` drafts), and
-    drafted (A, L) marking the slots inside the reply. Anchors: every reply position but the last; the prefix
-    before a slot is the chat's own tokens (see the module docstring)."""
-    if draft_temperature is not None and not draft_temperature > 0:
-        raise ValueError(f"draft_temperature={draft_temperature!r}: give a temperature > 0 (or None: the call's).")
-    if not temperatures or any(t <= 0 for t in temperatures):
-        raise ValueError(f"temperatures={temperatures!r}: give one or more sampling temperatures > 0.")
+def slot_logits(drafter, target, samples: list[dict], anchors_per_forward: int = 32):
+    """Yield (target_logits, draft_logits, drafted) for every chunk of anchors of every sample: the target's and the
+    drafter's next-token logits (A, L, V) at the block's L = block_size - 1 draft slots (float32), and drafted (A, L)
+    marking the slots inside the reply. Anchors: every reply position but the last; the prefix before a slot is the
+    chat's own tokens (see the module docstring). One target forward per sample, one drafter forward per chunk."""
     config, lm_head, embedding = drafter.config, target.get_output_embeddings(), target.get_input_embeddings()
     block_size, device = config.block_size, next(drafter.parameters()).device
     for sample in samples:
@@ -99,8 +95,52 @@ def slot_distributions(
             )
             slot_target = target_logits[slot_positions - 1].float()  # (A, L, V) predicts the token at each slot
             drafted = (blocks["loss_weights"].view(len(chunk), block_size)[:, 1:] > 0).float()
-            for t in temperatures:
-                yield t, (slot_target / t).softmax(-1), (draft_logits / (draft_temperature or t)).softmax(-1), drafted
+            yield slot_target, draft_logits, drafted
+
+
+def check_temperatures(temperatures: list[float], draft_temperatures=()) -> None:
+    """ValueError naming a sampling or draft temperature that is not > 0 (None: a draft at the call's own)."""
+    if not temperatures or any(t <= 0 for t in temperatures):
+        raise ValueError(f"temperatures={temperatures!r}: give one or more sampling temperatures > 0.")
+    for draft_temperature in draft_temperatures:
+        if draft_temperature is not None and not draft_temperature > 0:
+            raise ValueError(f"draft_temperature={draft_temperature!r}: give a temperature > 0 (or None: the call's).")
+
+
+def slot_distributions(
+    drafter,
+    target,
+    samples: list[dict],
+    temperatures: list[float],
+    anchors_per_forward: int = 32,
+    draft_temperature: float | None = None,
+):
+    """Yield (T, p, q, drafted) for each chunk of `slot_logits` and each temperature T > 0: the target's next-token
+    distribution p (A, L, V) and the drafter's q (A, L, V) at T (q at `draft_temperature` instead when given, as
+    `drafter.draft_temperature` drafts), and drafted (A, L)."""
+    check_temperatures(temperatures, (draft_temperature,))
+    for slot_target, draft_logits, drafted in slot_logits(drafter, target, samples, anchors_per_forward):
+        for t in temperatures:
+            yield t, (slot_target / t).softmax(-1), (draft_logits / (draft_temperature or t)).softmax(-1), drafted
+
+
+def draft_temperature_taus(
+    drafter, target, samples: list[dict], temperatures: list[float], draft_temperatures: list[float]
+) -> dict[float, dict[float, float]]:
+    """{T': {T: mean expected τ}} of drafts sampled from q at each draft temperature T' when `generate` samples at T
+    (the "sample" rule), every pair from one pass of `slot_logits`."""
+    check_temperatures(temperatures, draft_temperatures)
+    taus = {draft_t: {t: [] for t in temperatures} for draft_t in draft_temperatures}
+    for slot_target, draft_logits, drafted in slot_logits(drafter, target, samples):
+        for t in temperatures:
+            p = (slot_target / t).softmax(-1)
+            for draft_t in draft_temperatures:
+                q = (draft_logits / draft_t).softmax(-1)
+                taus[draft_t][t].append(expected_chain_tau(draft_acceptance(p, q, "sample"), drafted))
+    return {
+        draft_t: {t: round(float(torch.cat(v).mean()), 4) if v else 0.0 for t, v in by.items()}
+        for draft_t, by in taus.items()
+    }
 
 
 def sampling_tau_estimate(
