@@ -17,7 +17,7 @@ Prices come from `--verify-ms` (seconds of a verification over 1 and over `block
 `--drafter-ms`; several scenarios compare a flat CPU price with steeper ones (batches, larger targets). As the
 held-out sampling τ does, every slot's p and q are read with the chat's own tokens before it.
 
-    python benchmarks/generation/sampling_confidence.py checkpoints/smollm2-v7-candidate \\
+    python benchmarks/generation/sampling_confidence.py models/smollm2-135m-instruct-dflash \\
         --eval-part regen-bf16-part21 --samples 16 --temperatures 0.7,1.0 --out out/sampling_confidence.json
 """
 
