@@ -17,6 +17,7 @@ from hf_dflash.recipe import derive_defaults
 from hf_dflash.trainer.trainer import DFlashTrainer
 from tests.conftest import make_target
 from tests.helpers.data import EVAL_SUITE, make_char_tokenizer, write_lines
+from tests.helpers.training import TWO_CPU_PROCESSES, accelerate_launcher, run_worker
 
 STAGES = ["prompts", "regenerate", "tokenize", "pack", "train", "heldout", "bench", "export"]  # features: off
 
@@ -230,15 +231,12 @@ def test_the_recipes_own_half_written_claim_is_not_taken_for_foreign_files(tmp_p
 @pytest.mark.slow
 def test_the_same_recipe_trains_under_accelerate_launch_on_two_cpu_processes(tmp_path):
     """Two gloo processes: the main one runs every stage, the other joins the training (world size 2)."""
-    import subprocess
-    import sys
     from pathlib import Path
 
     argv, _ = tiny_recipe(tmp_path)
     worker = str(Path(__file__).parent / "recipe_worker.py")
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
-    subprocess.run([*launcher, worker, *argv], check=True, timeout=300, cwd=tmp_path)
+    launcher = accelerate_launcher(*TWO_CPU_PROCESSES)
+    run_worker([*launcher, worker, *argv], cwd=tmp_path)
     record = json.loads((tmp_path / "out" / "export" / "training_record.json").read_text())
     assert record["hyperparameters"]["world_size"] == 2 and record["global_steps"] == 4
 

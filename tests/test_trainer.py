@@ -12,7 +12,7 @@ from hf_dflash.trainer import DFlashDataCollator, DFlashTrainer, DFlashTrainingA
 from hf_dflash.trainer.forward import dflash_training_forward
 from hf_dflash.trainer.trainer import check_fsdp_settings
 from tests.conftest import make_drafter, make_target
-from tests.helpers.training import BLOCK, arguments, samples
+from tests.helpers.training import BLOCK, TWO_CPU_PROCESSES, accelerate_launcher, arguments, run_worker, samples
 
 
 def test_packed_training_forward_equals_inference_forward_per_block():
@@ -193,7 +193,6 @@ def test_mismatched_target_is_refused(tmp_path):
 @pytest.mark.slow
 def test_data_parallel_on_two_cpu_processes_equals_one_big_batch(tmp_path):
     """`accelerate launch` with 2 gloo processes x batch 1 == 1 process x batch 2 (SGD, lr 1)."""
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -201,36 +200,20 @@ def test_data_parallel_on_two_cpu_processes_equals_one_big_batch(tmp_path):
 
     worker = str(Path(__file__).parent / "dp_worker.py")
     single, parallel = tmp_path / "single.safetensors", tmp_path / "parallel.safetensors"
-    subprocess.run([sys.executable, worker, str(single), "2"], check=True, timeout=300)
-    # --multi_gpu selects the torch.distributed launcher; use_cpu=True in the arguments makes it gloo on CPU
-    launcher = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-    ]
-    subprocess.run([*launcher, worker, str(parallel), "1"], check=True, timeout=300)
+    run_worker([sys.executable, worker, str(single), "2"])
+    launcher = accelerate_launcher(*TWO_CPU_PROCESSES)
+    run_worker([*launcher, worker, str(parallel), "1"])
     expected, actual = load_file(single), load_file(parallel)
     for key in expected:
         torch.testing.assert_close(actual[key], expected[key], rtol=1e-4, atol=1e-6)
 
 
-FSDP_LAUNCHER = [
-    "-m",
-    "accelerate.commands.launch",
+FSDP_OPTIONS = (
     "--config_file",
     "configs/accelerate/fsdp2.yaml",  # the documented GPU config; use_cpu=True in the arguments makes it CPU + gloo
     "--num_processes",
     "2",
-]
+)
 
 
 @pytest.mark.slow
@@ -241,7 +224,6 @@ def test_fsdp2_on_two_cpu_processes_equals_one_process_and_resumes(tmp_path):
     bit-identical to the uninterrupted one (the sharded momentum restored)."""
     import json
     import os
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -249,12 +231,12 @@ def test_fsdp2_on_two_cpu_processes_equals_one_process_and_resumes(tmp_path):
 
     root, worker = Path(__file__).resolve().parents[1], "tests/fsdp_worker.py"
     single, sharded, resumed = tmp_path / "single", tmp_path / "fsdp", tmp_path / "resumed"
-    subprocess.run([sys.executable, worker, str(single), "2", "3"], cwd=root, check=True, timeout=300)
+    run_worker([sys.executable, worker, str(single), "2", "3"], cwd=root)
     env = os.environ | {"FORCE_FSDP2": "1"}
-    launch = [sys.executable, *FSDP_LAUNCHER, worker]
-    subprocess.run([*launch, str(sharded), "1", "3"], cwd=root, env=env, check=True, timeout=300)
+    launch = [*accelerate_launcher(*FSDP_OPTIONS), worker]
+    run_worker([*launch, str(sharded), "1", "3"], cwd=root, env=env)
     checkpoint = str(sharded / "run" / "checkpoint-1")
-    subprocess.run([*launch, str(resumed), "1", "3", checkpoint], cwd=root, env=env, check=True, timeout=300)
+    run_worker([*launch, str(resumed), "1", "3", checkpoint], cwd=root, env=env)
     losses = {
         name: json.loads((folder / "losses.json").read_text()) for name, folder in (("1", single), ("2", sharded))
     }
@@ -283,12 +265,11 @@ def test_fsdp2_on_two_cpu_processes_equals_one_process_and_resumes(tmp_path):
 def test_fsdp_launch_on_cpu_is_refused_instead_of_silently_running_ddp(tmp_path):
     """accelerate 1.16 runs an FSDP config on CPU processes as MULTI_CPU (DDP) without a word: the trainer refuses."""
     import subprocess
-    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     run = subprocess.run(
-        [sys.executable, *FSDP_LAUNCHER, "tests/fsdp_worker.py", str(tmp_path), "1", "1"],
+        [*accelerate_launcher(*FSDP_OPTIONS), "tests/fsdp_worker.py", str(tmp_path), "1", "1"],
         cwd=root,
         capture_output=True,
         text=True,

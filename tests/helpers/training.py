@@ -1,6 +1,9 @@
 """Helpers shared by the training tests: random tokenised samples, trainer arguments, a tokenised folder."""
 
 import json
+import socket
+import subprocess
+import sys
 
 import torch
 
@@ -44,3 +47,35 @@ def write_tokenized(folder, rows):
     with (folder / "tokenized-00000.jsonl").open("w") as handle:
         for i, row in enumerate(rows):
             handle.write(json.dumps({"id": f"s{i}", **row}) + "\n")
+
+
+# two gloo processes on CPU: --multi_gpu selects the torch.distributed launcher, use_cpu=True in the arguments makes it gloo
+TWO_CPU_PROCESSES = (
+    "--multi_gpu",
+    "--num_processes",
+    "2",
+    "--num_machines",
+    "1",
+    "--mixed_precision",
+    "no",
+    "--dynamo_backend",
+    "no",
+)
+
+
+def accelerate_launcher(*options: str) -> list[str]:
+    """argv that runs `accelerate launch OPTIONS` on a port of its own. Without one every launch asks for 29500 and
+    falls back to another only if 29500 is busy when it checks: two tests launching at the same moment on
+    pytest-xdist workers can both pass the check and share one rendezvous."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(port), *options]
+
+
+def run_worker(argv: list[str], **kwargs) -> None:
+    """Run a worker process (plain or launched); a failure fails the test with the worker's own output (pytest
+    otherwise shows a bare CalledProcessError, and CI's log keeps only its tail)."""
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=300, **kwargs)
+    if run.returncode != 0:
+        raise AssertionError(f"{argv} exited {run.returncode}:\n{run.stdout[-2000:]}\n{run.stderr[-6000:]}")
