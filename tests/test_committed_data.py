@@ -11,14 +11,17 @@ from hf_dflash.data.packed import PackedDataset, read_manifest, source_of
 DATA = Path(__file__).resolve().parent.parent / "data"
 FOLDERS = [
     "smollm2-135m-instruct",
+    "gemma3-270m",
     *(f"smollm2-135m-instruct-unseen/{kind}" for kind in ("greedy", "chat-t0.7", "creative")),
+    *(f"gemma3-270m-unseen/{kind}" for kind in ("greedy", "creative")),
 ]
 
 
 @pytest.fixture(scope="module", params=FOLDERS)
 def committed(request):
     folder = DATA / request.param
-    return PackedDataset(folder, vocab_size=49152), read_manifest(folder)  # checks every shard's sha256
+    manifest = read_manifest(folder)
+    return PackedDataset(folder, vocab_size=manifest["tokenizer"]["vocab_size"]), manifest  # checks every sha256
 
 
 def test_the_committed_data_matches_its_manifest(committed):
@@ -41,4 +44,4 @@ def test_every_committed_sample_is_trainable(committed):
     assert max(limits.values()) <= 4096
     for sample, part in zip(dataset, dataset.parts):
         assert len(sample["input_ids"]) == len(sample["loss_mask"]) <= limits[part]
-        assert sum(sample["loss_mask"]) >= 16 and max(sample["input_ids"]) < 49152
+        assert sum(sample["loss_mask"]) >= 16 and max(sample["input_ids"]) < manifest["tokenizer"]["vocab_size"]
