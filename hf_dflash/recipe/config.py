@@ -63,12 +63,17 @@ DEFAULTS: dict = {
     },
     "export": {"official": True, "license": "apache-2.0", "dtype": None, "repo_id": None},
 }
-# DFlashTrainingArguments the recipe sets unless `training` does (the paper's recipe, checkpoints to resume from)
+# DFlashTrainingArguments the recipe sets unless `training` does: the paper's recipe, checkpoints to resume from, and
+# what won this repository's pilots at equal compute (docs/drafter-history.md) and trained every drafter shipped
+# since: D-PACE position weights (+0.06 held-out tau, the v5 pilot) and early anchors (anchor_decay_tokens 64: +1.3%
+# on replies cut at 128 tokens, v6's third cycle)
 TRAINING_DEFAULTS = {
     "num_train_epochs": 6,
     "learning_rate": 6e-4,
     "warmup_steps": 0.04,
     "num_anchors": 64,
+    "position_weighting": "dpace",
+    "anchor_decay_tokens": 64,
     "per_device_train_batch_size": 4,
     "logging_steps": 50,
     "save_strategy": "steps",
