@@ -132,10 +132,10 @@ def draft_temperature_taus(
     check_temperatures(temperatures, draft_temperatures)
     taus = {draft_t: {t: [] for t in temperatures} for draft_t in draft_temperatures}
     for slot_target, draft_logits, drafted in slot_logits(drafter, target, samples):
+        qs = {draft_t: (draft_logits / draft_t).softmax(-1) for draft_t in draft_temperatures}  # once per chunk
         for t in temperatures:
             p = (slot_target / t).softmax(-1)
-            for draft_t in draft_temperatures:
-                q = (draft_logits / draft_t).softmax(-1)
+            for draft_t, q in qs.items():
                 taus[draft_t][t].append(expected_chain_tau(draft_acceptance(p, q, "sample"), drafted))
     return {
         draft_t: {t: round(float(torch.cat(v).mean()), 4) if v else 0.0 for t, v in by.items()}
