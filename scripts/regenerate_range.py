@@ -19,6 +19,8 @@ sliding-window attention rules out continuous batching:
 `--prompts` is the decontaminated corpus the parts come from (`prompts.jsonl` of `hf-dflash
 prepare-data`; default: the head start in ../shared/data). A part is one range with one set of settings:
 a range that continues another on a fresh machine is a new part (pack-data refuses a sample id twice).
+`--sources codeio,leetcode,sharegpt` keeps only the range's prompts of those sources, for a part aimed
+at what a drafter lacks (pass the same `--sources` to `--pack`: the note records them).
 data/README.md says which prompt ranges the parts hold.
 """
 
@@ -52,6 +54,22 @@ def prompt_range(count: int, start: int, end: int | None) -> tuple[int, int]:
     return start, end
 
 
+def select_prompts(corpus: list[dict], start: int, end: int, sources: list[str] | None) -> list[dict]:
+    """The corpus prompts in [start, end), only those whose `source` is in `sources` when given (corpus order
+    kept: a part aimed at what a drafter lacks, e.g. code and chat, stays one reproducible span)."""
+    prompts = corpus[start:end]
+    if sources is None:
+        return prompts
+    held = sorted({prompt.get("source") for prompt in prompts} - {None})
+    unknown = sorted(set(sources) - set(held))
+    if unknown:
+        raise ValueError(
+            f"--sources {','.join(unknown)}: prompts {start} to {end - 1} hold no such source; they hold "
+            f"{', '.join(held)}."
+        )
+    return [prompt for prompt in prompts if prompt.get("source") in sources]
+
+
 def regenerate(args: argparse.Namespace, work: Path) -> None:
     import torch
 
@@ -63,7 +81,7 @@ def regenerate(args: argparse.Namespace, work: Path) -> None:
         raise ValueError(f"--threads {args.threads}: must be >= 1.")
     corpus = list(read_jsonl(args.prompts))
     start, end = prompt_range(len(corpus), args.start, args.end)
-    prompts = corpus[start:end]
+    prompts = select_prompts(corpus, start, end, args.sources)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_target(args.target, dtype=args.dtype)
     regenerate_responses(
@@ -101,6 +119,8 @@ def tokenize_and_pack(args: argparse.Namespace, work: Path) -> int:
     dtype = settings["dtype"].removeprefix("torch.")
     decoding = "greedily" if not settings["temperature"] else f"by sampling at temperature {settings['temperature']}"
     span = f"{args.start} to {args.end - 1}" if args.end is not None else f"{args.start} onwards"
+    if args.sources:
+        span += f" of the sources {', '.join(args.sources)}"
     note = (
         f"corpus prompts {span} ({os.path.relpath(args.prompts, REPO.parent)}), regenerated {decoding} in {dtype} with "
         f"{batching} ({args.batch_size} rows, shards of {args.shard_size}), {args.threads} torch thread(s) "
@@ -122,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start", type=int, required=True, help="first corpus prompt (0-based)")
     parser.add_argument("--end", type=int, default=None, help="one past the last (default: the corpus end)")
     parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="corpus prompts.jsonl (default: %(default)s)")
+    parser.add_argument(
+        "--sources", type=lambda text: text.split(","), default=None,
+        help="only the range's prompts of these corpus sources, comma-separated (default: all)",
+    )  # fmt: skip
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--batch-size", type=int, default=DEFAULT_REGENERATION_BATCH)
     parser.add_argument("--shard-size", type=int, default=DEFAULT_REGENERATION_SHARD)

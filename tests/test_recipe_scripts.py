@@ -349,6 +349,34 @@ def test_regenerate_range_refuses_a_negative_or_out_of_range_span(tmp_path, monk
     assert not (tmp_path / "work").exists()
 
 
+def test_regenerate_range_sources_keeps_the_range_prompts_of_those_sources_in_corpus_order(tmp_path, monkeypatch, capsys):
+    """`--sources code,chat` regenerates only the range's prompts of those sources (a part aimed at what a drafter
+    lacks), in corpus order; a source the range does not hold is an error naming the ones it does."""
+    import hf_dflash.targets
+
+    corpus = [{"id": f"{s}:{i}", "source": s, "messages": []} for i, s in enumerate("abcabcabca")]
+    assert [p["id"] for p in regenerate_range.select_prompts(corpus, 2, 9, None)] == [
+        "c:2", "a:3", "b:4", "c:5", "a:6", "b:7", "c:8"
+    ]  # fmt: skip
+    assert [p["id"] for p in regenerate_range.select_prompts(corpus, 2, 9, ["c", "a"])] == [
+        "c:2", "a:3", "c:5", "a:6", "c:8"
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match=r"--sources d: .*they hold a, b, c"):
+        regenerate_range.select_prompts(corpus, 2, 9, ["d"])
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in corpus))
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before the sources were checked")
+
+    monkeypatch.setattr(hf_dflash.targets, "load_target", no_target)
+    argv = ["--part", "p", "--prompts", str(prompts), "--work", str(tmp_path / "w"), "--start", "0", "--sources", "z"]
+    assert regenerate_range.main(argv) == 2
+    assert "--sources z:" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
+
+
 contaminated = load_module("scripts/contaminated_chats.py")
 
 
