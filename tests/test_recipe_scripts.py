@@ -349,7 +349,7 @@ def test_regenerate_range_refuses_a_negative_or_out_of_range_span(tmp_path, monk
     assert not (tmp_path / "work").exists()
 
 
-def test_regenerate_range_sources_keeps_the_range_prompts_of_those_sources_in_corpus_order(tmp_path, monkeypatch, capsys):
+def test_regenerate_range_sources_keeps_only_those_sources_in_corpus_order(tmp_path, monkeypatch, capsys):
     """`--sources code,chat` regenerates only the range's prompts of those sources (a part aimed at what a drafter
     lacks), in corpus order; a source the range does not hold is an error naming the ones it does."""
     import hf_dflash.targets
