@@ -452,3 +452,97 @@ def test_writing_prompts_are_reproducible_varied_and_mostly_constrained():
 def test_writing_prompts_share_no_13_word_run_with_the_evaluation_suite():
     index = corpus.build_eval_index(sources.load_eval_suite())
     assert [r["id"] for r in sources.load_source("writing") if corpus.find_contamination(r, index)] == []
+
+
+# --- code sources (real modules of pinned packages) ---
+
+MODULE = '''"""A module."""
+import os
+
+
+@decorated
+def public(a, b=1):
+    """Add."""
+    return a + b
+
+
+def _private():
+    """Hidden."""
+
+
+def undocumented():
+    return 1
+
+
+class Shape:
+    """A shape."""
+
+    def area(self):
+        """Its area."""
+        return 0
+
+    def _cache(self):
+        """Hidden."""
+
+
+class _Hidden:
+    def method(self):
+        """Not offered: the class is private."""
+'''
+
+
+def test_code_functions_offer_each_documented_public_function_and_method_with_its_docstring():
+    from hf_dflash.data.code_sources import FUNCTION_INSTRUCTIONS, function_prompts
+
+    prompts = function_prompts("pkg", "mod.py", MODULE)
+    assert [key for key, _ in prompts] == ["pkg/mod.py:public", "pkg/mod.py:Shape.area"]
+    assert prompts[0][1] == (
+        f'{FUNCTION_INSTRUCTIONS[0]}\n```python\n@decorated\ndef public(a, b=1):\n    """Add."""\n```'
+    )  # the decorator and docstring, never the body
+    assert (
+        prompts[1][1]
+        == f'{FUNCTION_INSTRUCTIONS[1]}\n```python\nclass Shape:\n    def area(self):\n        """Its area."""\n```'
+    )
+
+
+def test_code_files_cut_whole_top_level_statements_over_the_size_band_with_a_task(monkeypatch):
+    from hf_dflash.data import code_sources
+
+    blocks = [f"def f{i}():\n    return {i}  # {'x' * 30}\n" for i in range(40)]
+    chunks = code_sources.file_chunks("\n".join(blocks), 200, 500)  # sizes rotate 200, 300, 400
+    assert [(line, len(text), name) for line, text, name in chunks] == [
+        (1, 230, "f0"),
+        (13, 346, "f4"),
+        (31, 418, "f10"),
+        (52, 238, "f17"),
+        (64, 358, "f21"),
+        (82, 418, "f27"),
+        (103, 238, "f34"),
+    ]  # fmt: skip  (f38-f39, a short tail, are dropped)
+    assert chunks[1][1].startswith("def f4():") and chunks[1][1].endswith("return 9  # " + "x" * 30)
+    assert code_sources.file_chunks("class Big:\n" + "    x = 1\n" * 100, 200, 500) == []  # a statement over the band
+
+    monkeypatch.setattr(code_sources, "FILE_CHARS", (200, 500))
+    constants = [f"X{i} = {i}  # {'y' * 40}" for i in range(12)]
+    prompts = code_sources.file_prompts("pkg", "mod.py", "\n".join(constants + blocks[:12]))
+    assert [key for key, _ in prompts] == ["pkg/mod.py:1", "pkg/mod.py:5", "pkg/mod.py:11", "pkg/mod.py:31"]
+    without_name = [task for task in code_sources.FILE_TASKS if "{name}" not in task]
+    texts = [prompt for _, prompt in prompts]
+    assert texts[0].startswith(without_name[0] + "\n\n```python\nX0 = 0")  # no function to name: a task without one
+    assert texts[1].startswith("```python\nX4 = 4") and texts[1].endswith("```\n\n" + without_name[1])  # code first
+    assert texts[2].startswith(code_sources.FILE_TASKS[2].format(name="f0"))
+    assert texts[3].endswith(code_sources.FILE_TASKS[3].format(name="f6"))
+
+
+@pytest.mark.real_model
+def test_code_sources_read_the_pinned_packages_and_share_no_13_word_run_with_the_evaluation_suite():
+    for name in ("boltons", "more-itertools"):
+        if not package_installed(name):
+            pytest.fail(f"data package missing: {sources.DATA_FILES[name].install_hint} (make test installs it)")
+    functions, files = sources.load_source("code-functions"), sources.load_source("code-files")
+    assert (len(functions), len(files)) == (492, 72)
+    assert len({r["id"] for r in functions + files}) == 564
+    sizes = sorted(len(r["messages"][0]["content"]) for r in files)
+    assert 4000 < sizes[0] and sizes[-1] < 12200 and sizes[len(sizes) // 2] > 6000  # spread over the band
+    index = corpus.build_eval_index(sources.load_eval_suite())
+    assert [r["id"] for r in functions + files if corpus.find_contamination(r, index)] == []

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ..json_files import read_jsonl
 from ..packaged_files import file_sha256, package_file
+from .code_sources import load_code_files, load_code_functions
 from .writing_prompts import NUM_WRITING_PROMPTS, writing_prompt
 
 __all__ = [
@@ -179,6 +180,21 @@ DATA_FILES: dict[str, DataFile] = {
         "cli/resources/leetcode/json/problems",
         "06cefb49125bdbca680aee10f92a6faf850565612bcf3b73f5a24a0b65311fce",
         glob="*.json",
+    ),
+    # Python modules for the code sources (code_sources.py): documented pure-Python utilities
+    "boltons": DataFile(
+        "boltons",
+        "boltons==25.0.0",
+        ".",
+        "ee906b70a9d6a7b2de19c9732ac6dbeaca918668682e80aab7869aaca1e99caa",
+        glob="*.py",
+    ),
+    "more-itertools": DataFile(
+        "more_itertools",
+        "more-itertools==10.8.0",
+        ".",
+        "b3e6dacc0e696297b597313e768db3132186ec03f1046b6a8e5b26e3fbb41880",
+        glob="*.py",
     ),
 }
 
@@ -480,10 +496,15 @@ TRAIN_SOURCES: dict[str, Callable[..., list[dict]]] = {
     "codeio": load_codeio,
     "leetcode": load_leetcode,
     "writing": load_writing,  # composed in the package (writing_prompts.py): no data file
+    "code-functions": load_code_functions,  # code_sources.py: real modules of pinned packages
+    "code-files": load_code_files,
 }
 # What `prepare-data` and the recipe read unless told: every source but the two-turn chats, which cost two
-# replies each and repeat the first turn of a `sharegpt` prompt (ask for them with `--sources`).
-DEFAULT_TRAIN_SOURCES = tuple(name for name in TRAIN_SOURCES if name != "sharegpt-turns")
+# replies each and repeat the first turn of a `sharegpt` prompt, and the code sources, added after the drafters
+# shipped so far were trained (ask for them with `--sources`).
+DEFAULT_TRAIN_SOURCES = tuple(
+    name for name in TRAIN_SOURCES if name not in ("sharegpt-turns", "code-functions", "code-files")
+)
 EVAL_SOURCES: dict[str, Callable[..., list[dict]]] = {
     "gsm8k-test": load_gsm8k_test,
     "math500": load_math500,
