@@ -143,6 +143,16 @@ def test_a_held_out_part_stays_the_same_when_data_is_added(tmp_path):
     with pytest.raises(ValueError, match="eval_part needs a packed folder"):
         build_datasets({"tokenized": str(tmp_path / "plain"), "eval_part": "p1"}, online, None, len(tok))
 
+    from hf_dflash.trainer.heldout import held_out_samples
+
+    # the scoring scripts' held-out chats: a part's first, or the last of the parts kept (a set that was the
+    # data's last before more was appended)
+    assert [s["id"] for s in held_out_samples(out, 2, eval_part="p2")] == ["gsm8k:0", "gsm8k:1"]
+    assert [s["id"] for s in held_out_samples(out, 2)] == ["codeio:0", "codeio:1"]
+    assert [s["id"] for s in held_out_samples(out, 2, parts=["p1", "p2"])] == ["gsm8k:2", "gsm8k:3"]
+    with pytest.raises(ValueError, match="is not among data.parts"):
+        held_out_samples(out, 2, eval_part="p2", parts=["p1"])
+
 
 def folder_files(folder):
     return sorted(path.name for path in folder.iterdir()) if folder.exists() else []

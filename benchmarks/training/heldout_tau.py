@@ -4,7 +4,8 @@ The figure that decides whether a new drafter replaces the shipped one, before t
 each drafter, the served-walk τ (`served_tau_estimate`: anchors visited the way `generate` visits
 them, predicted round for round by the training forward) and the uniform all-anchor τ, on the same
 held-out chats of a packed folder (`--eval-part`: the first `--samples` chats of that part, a set that
-does not move when more data is packed; without it, the last `--samples` chats).
+does not move when more data is packed; without it, the last `--samples` chats, of `--parts` when given: a set
+that was the data's last before more parts were appended).
 
     python benchmarks/training/heldout_tau.py models/smollm2-135m-instruct-dflash out/run/drafters/L3-bf16 \\
         --data data/smollm2-135m-instruct --eval-part regen-bf16-part2 --samples 64
@@ -41,6 +42,10 @@ def main() -> None:
     parser.add_argument("drafters", nargs="+", help="drafter folders (either checkpoint format)")
     parser.add_argument("--data", default="data/smollm2-135m-instruct", help="packed folder (default: %(default)s)")
     parser.add_argument("--eval-part", default=None, help="hold out the first --samples chats of this part")
+    parser.add_argument(
+        "--parts", default=None,
+        help="comma-separated parts to read (default: all): without --eval-part, the last --samples of these",
+    )  # fmt: skip
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument(
         "--reply-tokens",
@@ -77,7 +82,8 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
-    held_out = held_out_samples(args.data, args.samples, args.eval_part)
+    parts = args.parts.split(",") if args.parts else None
+    held_out = held_out_samples(args.data, args.samples, args.eval_part, parts)
     target, _ = load_target(args.target, dtype=args.dtype)
     rows = []
     for path in args.drafters:
@@ -122,7 +128,7 @@ def main() -> None:
     held = (
         f"the first {len(held_out)} chats of part {args.eval_part}"
         if args.eval_part
-        else f"the last {len(held_out)} chats"
+        else f"the last {len(held_out)} chats" + (f" of part(s) {args.parts}" if parts else "")
     )
     print(f"\nheld out: {held} of {args.data}, {target.dtype}\n")
     print("| drafter | served-walk τ | all-anchor τ | rounds |\n|---|---|---|---|")

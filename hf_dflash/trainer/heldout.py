@@ -18,11 +18,14 @@ from .train import held_out_indices
 __all__ = ["held_out_samples", "heldout_tau_row", "served_tau_by_source"]
 
 
-def held_out_samples(packed: str | Path, count: int, eval_part: str | None = None) -> list[dict]:
-    """The held-out chats of a packed folder: the first `count` of part `eval_part`, else the last `count` (the
-    samples `hf-dflash train` holds out with `data.eval_samples: count`)."""
-    dataset = PackedDataset(packed)
-    return [dataset[i] for i in held_out_indices(dataset, count, eval_part)]
+def held_out_samples(
+    packed: str | Path, count: int, eval_part: str | None = None, parts: list[str] | None = None
+) -> list[dict]:
+    """The held-out chats of a packed folder (only its `parts` when given): the first `count` of part `eval_part`,
+    else the last `count` (the samples `hf-dflash train` holds out with `data.eval_samples: count`; with `parts`,
+    a set that was the data's last before more parts were appended)."""
+    dataset = PackedDataset(packed, parts=parts)
+    return [dataset[i] for i in held_out_indices(dataset, count, eval_part, parts)]
 
 
 def heldout_tau_row(drafter, target, samples: list[dict], max_reply_tokens: int | None = None) -> dict:
