@@ -12,8 +12,8 @@ Two sources read the modules of `CODE_PACKAGES` (boltons, more-itertools: docume
 Instructions and tasks rotate through fixed lists, so the prompts are the same on every machine. Records are
 `{"id", "source", "messages"}` as in `sources.py`; ids name the package, module and function (or first line).
 
-    >>> from hf_dflash.data.code_sources import load_code_functions
-    >>> load_code_functions(limit=1)[0]["id"]
+    >>> from hf_dflash.data.sources import load_source   # where the two sources are registered
+    >>> load_source("code-functions", limit=1)[0]["id"]
     'code-functions:boltons/cacheutils.py:make_cache_key'
 """
 
@@ -118,6 +118,8 @@ def package_modules(name: str, locate) -> list[tuple[str, str]]:
 
 
 def code_records(source_name: str, make_prompts, locate, limit: int | None) -> list[dict]:
+    """Records of source `source_name`: `make_prompts(package, module, source)` over every module of
+    `CODE_PACKAGES` (found by `locate`, which checks their hashes), at most `limit`."""
     records = []
     for package in CODE_PACKAGES:
         for module, source in package_modules(package, locate):
@@ -132,17 +134,3 @@ def code_records(source_name: str, make_prompts, locate, limit: int | None) -> l
                     }
                 )
     return records
-
-
-def load_code_functions(limit: int | None = None) -> list[dict]:
-    """`code-functions` records: a function to implement from its signature and docstring."""
-    from .sources import locate
-
-    return code_records("code-functions", function_prompts, locate, limit)
-
-
-def load_code_files(limit: int | None = None) -> list[dict]:
-    """`code-files` records: a module's code (about 1k-4k tokens) with a task on it."""
-    from .sources import locate
-
-    return code_records("code-files", file_prompts, locate, limit)
