@@ -42,6 +42,11 @@ FILE_TASKS = (
 )
 
 
+def first_line(node: ast.stmt) -> int:
+    """The statement's first line, its decorators included."""
+    return min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+
+
 def documented_functions(tree: ast.Module) -> list[tuple[str | None, ast.FunctionDef | ast.AsyncFunctionDef]]:
     """(class name or None, function) for each public top-level function, and each public method of a public
     top-level class, that has a docstring, in source order."""
@@ -64,8 +69,7 @@ def function_prompts(package: str, module: str, source: str) -> list[tuple[str, 
     lines = source.splitlines()
     prompts = []
     for owner, node in documented_functions(ast.parse(source)):
-        first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
-        header = "\n".join(lines[first - 1 : node.body[0].end_lineno])
+        header = "\n".join(lines[first_line(node) - 1 : node.body[0].end_lineno])
         if owner is not None:
             header = f"class {owner}:\n{header}"
         instruction = FUNCTION_INSTRUCTIONS[len(prompts) % len(FUNCTION_INSTRUCTIONS)]
@@ -83,9 +87,8 @@ def file_chunks(source: str, shortest: int, longest: int) -> list[tuple[int, str
     sizes = [shortest + step * (longest - shortest) // 3 for step in range(3)]
     chunks, start, name = [], None, None
     for node in ast.parse(source).body:
-        first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
         if start is None:
-            start, name = first, None
+            start, name = first_line(node), None
         defines = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
         if name is None and defines and not node.name.startswith("_"):
             name = node.name
@@ -117,20 +120,13 @@ def package_modules(name: str, locate) -> list[tuple[str, str]]:
     return [(path.name, path.read_text(encoding="utf-8")) for path in sorted(folder.glob("*.py"))]
 
 
-def code_records(source_name: str, make_prompts, locate, limit: int | None) -> list[dict]:
-    """Records of source `source_name`: `make_prompts(package, module, source)` over every module of
-    `CODE_PACKAGES` (found by `locate`, which checks their hashes), at most `limit`."""
-    records = []
+def code_prompts(make_prompts, locate, limit: int | None) -> list[tuple[str, str]]:
+    """(key, prompt) pairs of `make_prompts(package, module, source)` over every module of `CODE_PACKAGES` (found
+    by `locate`, which checks their hashes), at most `limit`; `sources.py` makes them records."""
+    prompts = []
     for package in CODE_PACKAGES:
         for module, source in package_modules(package, locate):
-            for key, prompt in make_prompts(package, module, source):
-                if limit is not None and len(records) >= limit:
-                    return records
-                records.append(
-                    {
-                        "id": f"{source_name}:{key}",
-                        "source": source_name,
-                        "messages": [{"role": "user", "content": prompt}],
-                    }
-                )
-    return records
+            prompts.extend(make_prompts(package, module, source))
+            if limit is not None and len(prompts) >= limit:
+                return prompts[:limit]
+    return prompts

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..json_files import read_jsonl
 from ..packaged_files import file_sha256, package_file
-from .code_sources import code_records, file_prompts, function_prompts
+from .code_sources import code_prompts, file_prompts, function_prompts
 from .writing_prompts import NUM_WRITING_PROMPTS, writing_prompt
 
 __all__ = [
@@ -423,12 +423,12 @@ def load_writing(limit: int | None = None) -> list[dict]:
 
 def load_code_functions(limit: int | None = None) -> list[dict]:
     """`code-functions` (code_sources.py): a documented function to implement from its signature and docstring."""
-    return code_records("code-functions", function_prompts, locate, limit)
+    return [record("code-functions", key, prompt) for key, prompt in code_prompts(function_prompts, locate, limit)]
 
 
 def load_code_files(limit: int | None = None) -> list[dict]:
     """`code-files` (code_sources.py): a run of a module's code (about 1k-4k tokens) with a task on it."""
-    return code_records("code-files", file_prompts, locate, limit)
+    return [record("code-files", key, prompt) for key, prompt in code_prompts(file_prompts, locate, limit)]
 
 
 # --- evaluation suite (the paper's prompt formats) ---
