@@ -317,9 +317,9 @@ def register_prepare_data(subparsers) -> None:
     parser.add_argument(
         "--max-prompt-tokens",
         type=int,
-        default=512,
-        help="skip longer rendered prompts (default: %(default)s: regeneration runs on CPU, where a batch of "
-        "~2.7k-token prompts ran over 9 minutes; the replies are what is supervised)",
+        default=None,
+        help="skip longer rendered prompts (default: every prompt that leaves --max-new-tokens of room within "
+        "--max-length; long prompts cost more to regenerate (docs/data.md) and teach the drafter long contexts)",
     )
     parser.add_argument(
         "--block-size",

@@ -373,7 +373,7 @@ def test_prepare_data_command_runs_and_resumes(tmp_path, monkeypatch, capsys):
     assert main(argv) == 0
 
 
-def test_prepare_data_caps_the_prompt_length_for_cpu_regeneration(tmp_path, monkeypatch):
+def test_prepare_data_caps_the_prompt_length_when_asked_and_by_the_room_for_the_reply(tmp_path, monkeypatch):
     rows = [{"prompt": f"Hi {i}."} for i in range(3)] + [{"prompt": "long " * 40 + str(i)} for i in range(2)]
     prompts = write_lines(tmp_path / "mine.jsonl", rows)
     monkeypatch.setattr(corpus, "load_eval_suite", lambda: EVAL_SUITE)
@@ -389,6 +389,9 @@ def test_prepare_data_caps_the_prompt_length_for_cpu_regeneration(tmp_path, monk
         main(["prepare-data", "--out", str(tmp_path / "other"), *argv[3:-1], "64", "--max-prompt-tokens", "512"]) == 0
     )
     assert json.loads((tmp_path / "other" / "responses" / "config.json").read_text())["max_prompt_tokens"] == 56
+    # no --max-prompt-tokens: every prompt that leaves room for the reply (long prompts are what chat users send)
+    assert main(["prepare-data", "--out", str(tmp_path / "default"), *argv[3:-1], "1024"]) == 0
+    assert json.loads((tmp_path / "default" / "responses" / "config.json").read_text())["max_prompt_tokens"] == 1016
 
 
 def test_prepare_data_command_reports_unknown_sources_and_missing_packages(tmp_path, monkeypatch, capsys):

@@ -33,7 +33,7 @@ def tiny_recipe(root):
         "dtype": "float32",
         "target_id": "tiny/qwen3",
         "data": {"sources": [], "prompts": str(prompts), "max_new_tokens": 24, "batch_size": 4, "shard_size": 4,
-                 "max_length": 256, "max_prompt_tokens": 128, "eval_samples": 2},
+                 "max_length": 256, "eval_samples": 2},
         "training": {"block_size": 4, "max_steps": 4, "per_device_train_batch_size": 2, "num_anchors": 8,
                      "save_steps": 2, "logging_steps": 1, "disable_tqdm": True},
         "bench": {"prompts": str(prompts), "num_prompts": 2, "max_new_tokens": 8},
@@ -88,6 +88,8 @@ def test_tiny_recipe_reaches_an_exported_drafter_and_a_rerun_skips_every_stage(f
     record = json.loads((export / "training_record.json").read_text())
     assert record["derived_settings"]["target_layer_ids"]["value"] == [1, 2, 3]
     assert json.loads((out / "heldout" / "heldout_tau.json").read_text())["result"]["samples"] == 2
+    # no data.max_prompt_tokens: every prompt that leaves room for the 24-token reply in max_length 256
+    assert json.loads((out / "data" / "responses" / "config.json").read_text())["max_prompt_tokens"] == 256 - 24
 
     monkeypatch.setattr(corpus, "load_eval_suite", lambda: EVAL_SUITE)
     no_work(monkeypatch)
@@ -193,6 +195,23 @@ def test_the_recipe_trains_with_what_won_for_the_shipped_drafters_unless_the_con
     assert (defaults["position_weighting"], defaults["anchor_decay_tokens"]) == ("dpace", 64)
     chosen = training({"position_weighting": "decay", "anchor_decay_tokens": 0})
     assert (chosen["position_weighting"], chosen["anchor_decay_tokens"]) == ("decay", 0)
+
+
+def test_the_recipe_regenerates_long_prompts_unless_the_config_caps_them():
+    """Issue 50: long prompts in the training data (documents, code files) lifted the shipped drafter's tau on unseen
+    long prompts, so a user's recipe run keeps every prompt that leaves room for the reply within data.max_length;
+    data.max_prompt_tokens caps them (512 was the default before)."""
+    from hf_dflash.data.pipeline import prompt_token_limit
+    from hf_dflash.recipe.config import merge_config
+
+    def limit(data: dict) -> int:
+        merged = merge_config({"data": data})["data"]
+        return prompt_token_limit(merged["max_prompt_tokens"], merged["max_length"], merged["max_new_tokens"])
+
+    assert limit({}) == 3072 - 512
+    assert limit({"max_prompt_tokens": 512}) == 512
+    assert limit({"max_prompt_tokens": 4000}) == 3072 - 512  # never past the room max_length leaves
+    assert limit({"max_length": 1024, "max_new_tokens": 256}) == 768
 
 
 def test_bad_input_is_refused_before_anything_is_written(tmp_path, capsys):

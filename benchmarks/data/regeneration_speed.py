@@ -9,6 +9,9 @@ on the same prompts. The prompts mix the training sources in equal shares (seede
     # batch size by measurement, continuous batching only, one torch thread (as a background job runs):
     python benchmarks/data/regeneration_speed.py --methods continuous --batch-sizes 32,96 --num-prompts 192 \
         --threads 1 --max-new-tokens 256
+    # what long prompts cost: the same run on a length band (rendered prompt tokens in [min, max])
+    python benchmarks/data/regeneration_speed.py --methods continuous --batch-sizes 64 --num-prompts 32 \
+        --min-prompt-tokens 513 --max-prompt-tokens 2560 --max-new-tokens 512
 """
 
 import argparse
@@ -26,14 +29,17 @@ from hf_dflash.data.sources import TRAIN_SOURCES, load_source
 from hf_dflash.targets import load_target
 
 
-def prompt_ids(tokenizer, count: int, max_prompt_tokens: int, seed: int) -> list[list[int]]:
-    records = [record for name in TRAIN_SOURCES for record in load_source(name, limit=count)]
+def prompt_ids(tokenizer, count: int, max_prompt_tokens: int, seed: int, min_prompt_tokens: int = 0) -> list[list[int]]:
+    """`count` rendered first turns of min_prompt_tokens..max_prompt_tokens tokens, longest first. A band above the
+    shortest prompts reads every source whole (long prompts are a few percent of them)."""
+    limit = count if min_prompt_tokens == 0 else None
+    records = [record for name in TRAIN_SOURCES for record in load_source(name, limit=limit)]
     random.Random(seed).shuffle(records)
     ids = []
     for record in records:
         text = tokenizer.apply_chat_template(record["messages"][:1], tokenize=False, add_generation_prompt=True)
         tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(tokens) <= max_prompt_tokens:
+        if min_prompt_tokens <= len(tokens) <= max_prompt_tokens:
             ids.append(tokens)
         if len(ids) == count:
             break
@@ -59,6 +65,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--max-new-tokens", type=int, default=384)
     parser.add_argument("--max-prompt-tokens", type=int, default=512)
+    parser.add_argument("--min-prompt-tokens", type=int, default=0, help="a length band's lower end (default: none)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="out/regeneration_speed.json")
@@ -74,7 +81,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     model, tokenizer = load_target(dtype=args.dtype)
-    prompts = prompt_ids(tokenizer, args.num_prompts, args.max_prompt_tokens, args.seed)
+    prompts = prompt_ids(tokenizer, args.num_prompts, args.max_prompt_tokens, args.seed, args.min_prompt_tokens)
+    if len(prompts) < args.num_prompts:
+        parser.error(f"only {len(prompts)} prompts of {args.min_prompt_tokens}-{args.max_prompt_tokens} tokens")
     common = dict(eos_ids=stop_ids(model, tokenizer), pad_id=tokenizer.pad_token_id, max_new_tokens=args.max_new_tokens)
     runs = {
         "static": lambda size: static_batches(model, prompts, size, **common),
@@ -91,21 +100,28 @@ def main() -> None:
                 {
                     "method": METHODS[method],
                     "batch_size": size,
+                    "prompts": len(prompts),
+                    "prompt_tokens": sum(map(len, prompts)),
                     "reply_tokens": tokens,
                     "seconds": round(seconds, 1),
                     "tokens_per_s": round(tokens / seconds, 1),
+                    "prompts_per_s": round(len(prompts) / seconds, 3),
                 }
             )
             print(
-                f"{METHODS[method]:>24} batch {size:>3}: {tokens} reply tokens in {seconds:.1f} s = {tokens / seconds:.1f} tok/s",
+                f"{METHODS[method]:>24} batch {size:>3}: {len(prompts)} prompts, {tokens} reply tokens in {seconds:.1f} s = "
+                f"{tokens / seconds:.1f} tok/s, {len(prompts) / seconds:.3f} prompts/s",
                 flush=True,
             )
     slowest = min(row["tokens_per_s"] for row in rows)
     for row in rows:
         row["speedup_over_slowest"] = round(row["tokens_per_s"] / slowest, 2)
-    print("\n| method | batch | tok/s | vs slowest |\n|---|---|---|---|")
+    print("\n| method | batch | tok/s | prompts/s | vs slowest |\n|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['method']} | {row['batch_size']} | {row['tokens_per_s']} | {row['speedup_over_slowest']:.2f}x |")
+        print(
+            f"| {row['method']} | {row['batch_size']} | {row['tokens_per_s']} | {row['prompts_per_s']} "
+            f"| {row['speedup_over_slowest']:.2f}x |"
+        )
     result = {
         "settings": vars(args),
         "machine": {"processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},

@@ -25,7 +25,7 @@ from .regenerate import DEFAULT_REGENERATION_BATCH, DEFAULT_REGENERATION_SHARD, 
 from .sources import DEFAULT_TRAIN_SOURCES
 from .tokenize import tokenize_responses
 
-__all__ = ["prepare_data"]
+__all__ = ["prepare_data", "prompt_token_limit"]
 
 
 def check_prepare_settings(**settings) -> None:
@@ -43,6 +43,13 @@ def check_prepare_settings(**settings) -> None:
         raise ValueError(
             f"max_new_tokens ({settings['max_new_tokens']}) must be smaller than max_length ({settings['max_length']})."
         )
+
+
+def prompt_token_limit(max_prompt_tokens: int | None, max_length: int, max_new_tokens: int) -> int:
+    """The longest rendered prompt regenerated: `max_prompt_tokens` (None: no cap of its own), and never more than
+    `max_length` leaves for a `max_new_tokens` reply."""
+    room = max_length - max_new_tokens
+    return room if max_prompt_tokens is None else min(max_prompt_tokens, room)
 
 
 def prepare_data(
@@ -95,7 +102,7 @@ def prepare_data(
             max_new_tokens=max_new_tokens,
             batch_size=batch_size,
             shard_size=shard_size,
-            max_prompt_tokens=min(max_prompt_tokens or max_length, max_length - max_new_tokens),
+            max_prompt_tokens=prompt_token_limit(max_prompt_tokens, max_length, max_new_tokens),
             seed=seed,
             progress=progress,
         )

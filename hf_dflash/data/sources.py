@@ -510,11 +510,10 @@ TRAIN_SOURCES: dict[str, Callable[..., list[dict]]] = {
     "code-files": load_code_files,
 }
 # What `prepare-data` and the recipe read unless told: every source but the two-turn chats, which cost two
-# replies each and repeat the first turn of a `sharegpt` prompt, and the code sources, added after the drafters
-# shipped so far were trained (ask for them with `--sources`).
-DEFAULT_TRAIN_SOURCES = tuple(
-    name for name in TRAIN_SOURCES if name not in ("sharegpt-turns", "code-functions", "code-files")
-)
+# replies each and repeat the first turn of a `sharegpt` prompt, and `code-files`, whose long prompts no shipped
+# drafter has been measured on yet (ask for them with `--sources`). `code-functions` is in: the Gemma 3 270M
+# drafter trained on it (v5) gained 8.7% served tau on unseen HumanEval prompts.
+DEFAULT_TRAIN_SOURCES = tuple(name for name in TRAIN_SOURCES if name not in ("sharegpt-turns", "code-files"))
 EVAL_SOURCES: dict[str, Callable[..., list[dict]]] = {
     "gsm8k-test": load_gsm8k_test,
     "math500": load_math500,

@@ -6,7 +6,7 @@ target_id: null                 # the target's Hub id for the card (known target
 dtype: auto                     # the target's dtype for regeneration, features, held-out tau and bench
 seed: 0
 data: {sources: [...], prompts: null, max_prompts: null, max_new_tokens: 512, temperature: 0.0,
-       batch_size: 64, shard_size: 256, max_length: 3072, max_prompt_tokens: 512,
+       batch_size: 64, shard_size: 256, max_length: 3072, max_prompt_tokens: null,  # null: all that fit
        samples_per_shard: 2048, eval_samples: 32}
 features: {enabled: false, dtype: bfloat16, batch_size: 4,   # offline features (training.feature_mode)
            teacher_top_k: null}  # the target's top-K per position; null: 32 when training.loss_type distils
@@ -45,7 +45,7 @@ DEFAULTS: dict = {
         "batch_size": DEFAULT_REGENERATION_BATCH,
         "shard_size": DEFAULT_REGENERATION_SHARD,
         "max_length": 3072,
-        "max_prompt_tokens": 512,
+        "max_prompt_tokens": None,  # every prompt that leaves max_new_tokens of room in max_length
         "samples_per_shard": 2048,
         "eval_samples": 32,
     },

@@ -126,6 +126,7 @@ def _regenerate_settings(run: RecipeRun) -> dict:
 
 
 def _run_regenerate(run: RecipeRun) -> str:
+    from ..data.pipeline import prompt_token_limit
     from ..data.regenerate import regenerate_responses
 
     model, tokenizer = run.target()
@@ -134,7 +135,7 @@ def _run_regenerate(run: RecipeRun) -> str:
     paths = regenerate_responses(
         model, tokenizer, prompts, run.path("responses"), temperature=data["temperature"],
         max_new_tokens=data["max_new_tokens"], batch_size=data["batch_size"], shard_size=data["shard_size"],
-        max_prompt_tokens=min(data["max_prompt_tokens"] or data["max_length"], data["max_length"] - data["max_new_tokens"]),
+        max_prompt_tokens=prompt_token_limit(data["max_prompt_tokens"], data["max_length"], data["max_new_tokens"]),
         seed=run.config["seed"],
     )  # fmt: skip
     return f"replies to {len(prompts)} prompts in {len(paths)} shard(s)"
