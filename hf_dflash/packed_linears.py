@@ -17,7 +17,9 @@ every layer's product streamed once, as a forward runs them); `packed_linears` p
 
 A packed layer computes the same product in another summation order: its outputs equal the default path's up
 to rounding, as the default path's own 1-row and 8-row kernels differ from each other. Only CPU layers in
-float32 or bfloat16 without autograd are packed (a forward that needs gradients runs the default path). The
+float32 or bfloat16 without autograd are packed (a forward that needs gradients runs the default path), bfloat16
+only where oneDNN has a bf16 path on this CPU (`packable_dtypes`: torch 2.13 refuses to reorder a bf16 weight on an
+AVX2-only CPU, which multiplies bf16 several times slower than fp32 anyway). The
 packed copy of a weight is made on entering `packed_linears` and kept on the layer (`release_packed_weights` frees
 it); an eager call packs a weight changed in place or replaced again. The layers' parameters and `state_dict` are
 untouched. Inside `torch.compile` the packed product is one opaque op (`packed_linear`) over the pack made on
@@ -26,6 +28,7 @@ entry: compiled verification and compiled plain decoding run packed too.
 
 from __future__ import annotations
 
+import functools
 import time
 import types
 from collections.abc import Iterator
@@ -35,17 +38,16 @@ import torch
 from torch import nn
 
 __all__ = [
-    "PACKABLE_DTYPES",
     "PACK_ROWS",
     "is_packed",
     "linear_packing_supported",
+    "packable_dtypes",
     "packed_linears",
     "packing_floor",
     "packing_pays",
     "release_packed_weights",
 ]
 
-PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 PACK_ATTRIBUTE = "_hf_dflash_packed_weight"  # (weight, its key, packed weight) on a layer that was packed
 PACKED_ROWS = "_hf_dflash_rows"  # on a layer while it runs packed: the row count its pack is laid out for
 PACKED_FROM = "_hf_dflash_from_rows"  # on a layer while it runs packed: products of fewer rows take the default path
@@ -60,12 +62,29 @@ def linear_packing_supported() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+def onednn_bf16_supported() -> bool:
+    """Whether oneDNN multiplies bf16 on this CPU. torch 2.13 refuses to reorder a bf16 weight without AVX-512
+    (BW/VL/DQ) or AVX-NE-CONVERT ('mkldnn_reorder_linear_weight: bf16 path needs the cpu support ...'), e.g. on an
+    AVX2-only AMD EPYC."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@functools.cache
+def packable_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes `packed_linears` packs on this machine: float32 wherever the build has oneDNN's
+    prepacked linear, bfloat16 where its bf16 path runs on this CPU too (`onednn_bf16_supported`)."""
+    if not linear_packing_supported():
+        return ()
+    return (torch.float32, torch.bfloat16) if onednn_bf16_supported() else (torch.float32,)
+
+
 def packable(layer: nn.Module) -> bool:
-    """A plain CPU `nn.Linear` in a packable dtype whose forward nobody else has replaced."""
+    """A plain CPU `nn.Linear` in a dtype packed on this machine (`packable_dtypes`) whose forward nobody else has
+    replaced."""
     return (
         type(layer) is nn.Linear
         and layer.weight.device.type == "cpu"
-        and layer.weight.dtype in PACKABLE_DTYPES
+        and layer.weight.dtype in packable_dtypes()
         and "forward" not in vars(layer)
     )
 

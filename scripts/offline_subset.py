@@ -16,7 +16,8 @@ nor v3's subset drew: `--samples 5275 --seed 2 --exclude` both their subset.json
 re-made by running this script again with that subset's settings). `--parts A,B` draws only from those
 parts (new data for a drafter that saw the others); `--reserve PART` never draws the first
 `--eval-samples` chats of PART, a second fixed held-out set (`heldout_tau.py --eval-part PART`), and
-`--reserve PART:N` the first N (a scarce part keeps more of its chats for training). `--include-all PART`
+`--reserve PART:N` the first N (a scarce part keeps more of its chats for training), `--reserve PART:-N` the last N
+(the set `heldout_tau.py --parts PART --samples N` scores). `--include-all PART`
 (repeatable) puts every chat of PART that is not held out, reserved or excluded in the training subset, beside the
 `--samples` drawn from the other parts: a small new part (long prompts, sampled replies) is then not left to the draw.
 
@@ -62,8 +63,8 @@ def choose_subset(
     Held out: the first `eval_samples` of `eval_part` (the fixed held-out set of the recipe comparison
     and learning curve). Training: `count` of the others not in `exclude`, drawn with
     `random.Random(seed)`, in dataset order; only from `train_parts` when given. The first `eval_samples`
-    of each of `reserved_parts` (or the count a dict gives per part) are never drawn either (a second fixed
-    held-out set, scored apart). Every eligible sample of `whole_parts` is in the training list, beside the
+    of each of `reserved_parts` (or the count a dict gives per part; a negative count -N: its last N) are never
+    drawn either (a second fixed held-out set, scored apart). Every eligible sample of `whole_parts` is in the training list, beside the
     `count` drawn from the other parts.
     """
     if isinstance(eval_samples, bool) or not isinstance(eval_samples, int) or eval_samples < 0:
@@ -77,7 +78,9 @@ def choose_subset(
     unknown = sorted((set(train_parts or ()) | set(reserve_counts) | set(whole_parts)) - set(parts))
     if unknown:
         raise ValueError(f"Part(s) {unknown} are not in the packed data; its parts: {sorted(set(parts))}.")
-    reserved = [i for part, n in reserve_counts.items() for i in [j for j, p in enumerate(parts) if p == part][:n]]
+    reserved = [
+        i for part, n in reserve_counts.items() for i in first_or_last([j for j, p in enumerate(parts) if p == part], n)
+    ]
     excluded = set(held_out) | set(exclude) | set(reserved)
     whole = [i for i in range(len(parts)) if i not in excluded and parts[i] in whole_parts]
     candidates = [
@@ -90,13 +93,24 @@ def choose_subset(
     return sorted(whole + random.Random(seed).sample(candidates, count)), held_out
 
 
+def first_or_last(indices: list[int], n: int) -> list[int]:
+    """The first n of `indices` (n > 0) or the last -n (n < 0)."""
+    return indices[:n] if n > 0 else indices[n:]
+
+
 def parse_reserve(values: list[str], eval_samples: int) -> dict[str, int]:
-    """`--reserve PART` or `PART:N` values -> {part: chats held out}; N defaults to `--eval-samples`."""
+    """`--reserve PART`, `PART:N` or `PART:-N` values -> {part: chats held out, negative for the last ones}; N
+    defaults to `--eval-samples`."""
     counts = {}
     for value in values:
         part, _, n = value.partition(":")
-        if n and not (n.isdigit() and int(n) > 0):
-            raise ValueError(f"--reserve {value}: the count after ':' must be a whole number > 0 (PART or PART:N).")
+        if n and not (n.removeprefix("-").isdigit() and int(n) != 0):
+            raise ValueError(
+                f"--reserve {value}: the count after ':' must be a whole number other than 0 (PART, PART:N for the "
+                "first N chats, PART:-N for the last N)."
+            )
+        if part in counts:
+            raise ValueError(f"--reserve {value}: {part} is reserved twice; give one count per part.")
         counts[part] = int(n) if n else eval_samples
     return counts
 
@@ -138,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="PART",
-        help="never draw the first --eval-samples (or N) chats of PART, given as PART or PART:N (a second "
-        "held-out set; repeatable)",
+        help="never draw the first --eval-samples (or N) chats of PART, given as PART or PART:N, or its last N "
+        "as PART:-N (a second held-out set; repeatable)",
     )
     parser.add_argument(
         "--include-all",

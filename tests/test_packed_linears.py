@@ -11,6 +11,7 @@ from hf_dflash.packed_linears import (
     PACK_ATTRIBUTE,
     is_packed,
     linear_packing_supported,
+    packable_dtypes,
     packed_linears,
     packing_pays,
     release_packed_weights,
@@ -19,9 +20,24 @@ from tests.conftest import make_drafter, make_target
 from tests.helpers.generation import plain_greedy, prompt
 
 pytestmark = pytest.mark.skipif(not linear_packing_supported(), reason="this torch build has no MKL-DNN")
+# bf16 packs only where oneDNN multiplies bf16 on this CPU (not on an AVX2-only one; the test below covers that case)
+BF16 = pytest.param(
+    torch.bfloat16,
+    marks=pytest.mark.skipif(torch.bfloat16 not in packable_dtypes(), reason="oneDNN has no bf16 path on this CPU"),
+)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.fixture
+def no_onednn_bf16(monkeypatch):
+    """This process as on a CPU where oneDNN has no bf16 path (an AVX2-only AMD EPYC, where torch 2.13 refuses to
+    reorder a bf16 weight)."""
+    monkeypatch.setattr(packed_linears_module, "onednn_bf16_supported", lambda: False)
+    packable_dtypes.cache_clear()
+    yield
+    packable_dtypes.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(1, 48), (8, 48), (2, 5, 48)])
 def test_packed_product_equals_the_default_one(dtype, bias, shape):
@@ -128,6 +144,22 @@ def test_dflash_with_packed_layers_matches_plain_greedy(arch, setting):
     assert not is_packed(target) and not is_packed(drafter)
 
 
+@pytest.mark.parametrize("setting", [True, "auto"])
+def test_bf16_layers_stay_unpacked_where_onednn_has_no_bf16_path(no_onednn_bf16, setting):
+    """On such a CPU a bf16 DFlash call runs the default matmul (it crashed in the weight reorder before) and
+    matches plain greedy; float32 layers are still packed."""
+    assert packable_dtypes() == (torch.float32,)
+    target = make_target("llama").to(torch.bfloat16)
+    drafter = make_drafter(target, block_size=4).to(torch.bfloat16)
+    with torch.no_grad(), packed_linears(target, drafter) as count, packed_linears(nn.Linear(8, 4)) as fp32_count:
+        assert count == 0 and fp32_count == 1 and not is_packed(target)
+    drafter.linear_packing = setting
+    input_ids = prompt(0, length=6)
+    expected = plain_greedy(target, input_ids, max_new_tokens=16)
+    actual = target.generate(input_ids, do_sample=False, max_new_tokens=16, assistant_model=drafter)
+    assert torch.equal(actual, expected)
+
+
 @pytest.mark.parametrize("mode", ["tree", "hybrid", "batch"])
 def test_every_mode_with_packed_layers_matches_plain_greedy(mode):
     target = make_target("llama")
@@ -213,7 +245,7 @@ def fake_stack(monkeypatch, model, dtype, seconds):
     monkeypatch.setattr(packed_linears_module, "stack_seconds", stack_seconds)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("default_ms, packed_ms, pays", [(10.0, 9.0, True), (10.0, 9.5, False), (9.0, 10.0, False)])
 def test_packing_pays_by_the_streamed_stack(monkeypatch, dtype, default_ms, packed_ms, pays):
     """The verdict is the timed stack of every layer (both dtypes alike), with a 1.1x margin; packs made for the

@@ -316,6 +316,17 @@ def test_offline_subset_trains_on_every_chat_of_an_included_part_and_reserves_a_
     assert "the 9 training samples" in capsys.readouterr().err  # 8 code chats and math:2
     assert offline_subset.main([*common, "--out", str(tmp_path / "d"), "--samples", "1", "--reserve", "long:x"]) == 2
     assert "--reserve long:x" in capsys.readouterr().err
+    # PART:-N holds out the last N (the set `heldout_tau.py --parts PART --samples N` scores), of any part
+    argv = [*common, "--out", str(tmp_path / "e"), "--samples", "6", "--reserve", "long:-2", "--reserve", "old:-3"]
+    assert offline_subset.main(argv) == 0
+    train = json.loads((tmp_path / "e" / "subset.json").read_text())["train_ids"]
+    assert sorted(i for i in train if i.startswith("story")) == [f"story:{i}" for i in range(4)]
+    assert sorted(i for i in train if i.startswith("code")) == [f"code:{i}" for i in range(5)]
+    assert offline_subset.main([*common, "--out", str(tmp_path / "f"), "--samples", "1", "--reserve", "long:0"]) == 2
+    assert "other than 0" in capsys.readouterr().err
+    argv = [*common, "--out", str(tmp_path / "g"), "--samples", "1", "--reserve", "long:1", "--reserve", "long:-1"]
+    assert offline_subset.main(argv) == 2
+    assert "long is reserved twice" in capsys.readouterr().err
 
 
 regenerate_range = load_module("scripts/regenerate_range.py")

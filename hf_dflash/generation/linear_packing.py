@@ -1,7 +1,7 @@
 """Which layers a DFlash `generate` call runs through oneDNN's prepacked linear (`hf_dflash.packed_linears`).
 
     drafter.linear_packing = "auto"   # default: pack each model whose products it measures faster packed
-    drafter.linear_packing = True     # pack whatever can be packed (CPU, float32/bfloat16)
+    drafter.linear_packing = True     # pack whatever can be packed (CPU float32; bfloat16 where oneDNN has a bf16 path)
     drafter.linear_packing = False    # the default aten path
 
 Compiled verification (a static cache with `compile_config`) is packed too: its graph calls the packed product
@@ -30,7 +30,8 @@ def linear_packing_setting(drafter: DFlashDraftModel):
     if not (setting is True or setting is False or (isinstance(setting, str) and setting == "auto")):
         raise ValueError(
             f"drafter.linear_packing = {setting!r} is not a setting. Use 'auto' (pack where measured faster), "
-            "True (pack every CPU float32/bfloat16 linear layer) or False (the default matmul)."
+            "True (pack every CPU float32 linear layer, and bfloat16 where oneDNN multiplies it) or False (the default "
+            "matmul)."
         )
     return setting
 
