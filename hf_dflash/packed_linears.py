@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "PACKABLE_DTYPES",
     "PACK_ROWS",
     "is_packed",
     "linear_packing_supported",
@@ -48,6 +49,7 @@ __all__ = [
     "release_packed_weights",
 ]
 
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)  # the dtypes packing serves; on this machine: `packable_dtypes()`
 PACK_ATTRIBUTE = "_hf_dflash_packed_weight"  # (weight, its key, packed weight) on a layer that was packed
 PACKED_ROWS = "_hf_dflash_rows"  # on a layer while it runs packed: the row count its pack is laid out for
 PACKED_FROM = "_hf_dflash_from_rows"  # on a layer while it runs packed: products of fewer rows take the default path
@@ -75,7 +77,7 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
     prepacked linear, bfloat16 where its bf16 path runs on this CPU too (`onednn_bf16_supported`)."""
     if not linear_packing_supported():
         return ()
-    return (torch.float32, torch.bfloat16) if onednn_bf16_supported() else (torch.float32,)
+    return PACKABLE_DTYPES if onednn_bf16_supported() else (torch.float32,)
 
 
 def packable(layer: nn.Module) -> bool:
