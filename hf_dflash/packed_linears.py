@@ -19,7 +19,7 @@ A packed layer computes the same product in another summation order: its outputs
 to rounding, as the default path's own 1-row and 8-row kernels differ from each other. Only CPU layers in
 float32 or bfloat16 without autograd are packed (a forward that needs gradients runs the default path), bfloat16
 only where oneDNN has a bf16 path on this CPU (`packable_dtypes`: torch 2.13 refuses to reorder a bf16 weight on an
-AVX2-only CPU, which multiplies bf16 several times slower than fp32 anyway). The
+AVX2-only CPU). The
 packed copy of a weight is made on entering `packed_linears` and kept on the layer (`release_packed_weights` frees
 it); an eager call packs a weight changed in place or replaced again. The layers' parameters and `state_dict` are
 untouched. Inside `torch.compile` the packed product is one opaque op (`packed_linear`) over the pack made on
