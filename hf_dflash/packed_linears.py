@@ -163,7 +163,7 @@ def packed_linears(*modules: nn.Module, rows: int = PACK_ROWS, from_rows: int = 
     for name, value in (("rows", rows), ("from_rows", from_rows)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r}: must be a positive int (a row count of the products packed).")
-    layers = packable_layers(nn.ModuleList(modules)) if linear_packing_supported() else []
+    layers = packable_layers(nn.ModuleList(modules))  # none where this build or CPU packs nothing (`packable_dtypes`)
     try:
         for layer in layers:
             packed_weight(layer, rows)  # made (or checked) now: a compiled forward reads the pack as it is
@@ -244,7 +244,7 @@ def packing_floor(module: nn.Module, rows: int = PACK_ROWS, repeats: int = 3) ->
     count in a process for a 135 M model, beside making the packs (~0.5 s), which a call that packs makes anyway;
     the packs stay on the layers where it pays and are freed where not."""
     layers = packable_layers(module)
-    if not layers or len({layer.weight.dtype for layer in layers}) != 1 or not linear_packing_supported():
+    if not layers or len({layer.weight.dtype for layer in layers}) != 1:
         return None
     if not pays_at(layers, rows, rows, repeats):
         release_packed_weights(*layers)

@@ -64,8 +64,8 @@ def choose_subset(
     and learning curve). Training: `count` of the others not in `exclude`, drawn with
     `random.Random(seed)`, in dataset order; only from `train_parts` when given. The first `eval_samples`
     of each of `reserved_parts` (or the count a dict gives per part; a negative count -N: its last N) are never
-    drawn either (a second fixed held-out set, scored apart). Every eligible sample of `whole_parts` is in the training list, beside the
-    `count` drawn from the other parts.
+    drawn either (a second fixed held-out set, scored apart). Every eligible sample of `whole_parts` is in the
+    training list, beside the `count` drawn from the other parts.
     """
     if isinstance(eval_samples, bool) or not isinstance(eval_samples, int) or eval_samples < 0:
         raise ValueError(f"--eval-samples {eval_samples}: must be a count >= 0 (the held-out chats of --eval-part).")
