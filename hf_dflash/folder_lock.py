@@ -45,14 +45,15 @@ def _unwritable(folder: Path, what: str, error: OSError) -> ValueError:
     )
 
 
-def _lock_once(path: Path, what: str, folder: Path, kind: str = "folder") -> int | None:
-    """The descriptor of `path` locked by us, or None when the file was replaced under us (retry)."""
+def _lock_once(path: Path, what: str, folder: Path, kind: str = "folder", wait: bool = False) -> int | None:
+    """The descriptor of `path` locked by us (waiting for another holder when `wait`), or None when the file was
+    replaced under us (retry)."""
     try:
         descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as error:
         raise _unwritable(path.parent, what, error) from None
     try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(descriptor, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = ""
         with contextlib.suppress(OSError):
@@ -96,15 +97,18 @@ def _remove_if_empty(created: list[Path]) -> None:
 
 
 @contextlib.contextmanager
-def _hold(lock_file: Path, subject: Path, what: str, kind: str, created: list[Path]) -> Iterator[None]:
-    """Hold `lock_file` for the block (`subject`, `kind` and `what` name it in a refusal)."""
+def _hold(
+    lock_file: Path, subject: Path, what: str, kind: str, created: list[Path], wait: bool = False
+) -> Iterator[None]:
+    """Hold `lock_file` for the block (`subject`, `kind` and `what` name it in a refusal; `wait`: wait for
+    another holder instead of refusing)."""
     if fcntl is None:  # pragma: no cover
         yield
         return
     descriptor = None
     try:
         while descriptor is None:
-            descriptor = _lock_once(lock_file, what, subject, kind)
+            descriptor = _lock_once(lock_file, what, subject, kind, wait)
     except BaseException:
         _remove_if_empty(created)
         raise
@@ -144,10 +148,13 @@ def lock_path_beside(path: str | os.PathLike) -> Path:
 
 
 @contextlib.contextmanager
-def path_lock(path: str | os.PathLike, what: str = "this output", kind: str | None = None) -> Iterator[Path]:
+def path_lock(
+    path: str | os.PathLike, what: str = "this output", kind: str | None = None, wait: bool = False
+) -> Iterator[Path]:
     """Hold the lock of one output path (a file, or a folder replaced whole) for the duration of the block:
     the lock file lies beside it (`lock_path_beside`), in its parent folder (created); yields `path`.
     `kind` ("file" or "folder") names what to choose instead in a refusal (default: what `path` is now).
+    `wait=True` waits while another process holds it (for work that the second process then need not do).
 
     Raises:
         FolderLockedError: another process holds it (names the path, the lock file and the way out).
@@ -156,5 +163,5 @@ def path_lock(path: str | os.PathLike, what: str = "this output", kind: str | No
     path = Path(path)
     created = _make_folder(path.parent, what)
     kind = kind or ("folder" if path.is_dir() else "file")
-    with _hold(lock_path_beside(path), path, what, kind, created):
+    with _hold(lock_path_beside(path), path, what, kind, created, wait):
         yield path

