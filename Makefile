@@ -21,6 +21,12 @@ COMPAT_TESTS := tests/test_generate_hook.py tests/test_modeling.py tests/test_ch
 	tests/test_adaptive.py tests/test_continuous_regeneration.py tests/test_tree.py tests/test_tree_budget.py tests/test_generation_hybrid.py \
 	tests/test_generation_greedy.py::test_return_dict_scores_logits_and_hidden_states_match_plain \
 	tests/test_generation_greedy.py::test_eos_inside_accepted_block_stops_there $(CUSTOM_GENERATE_TESTS)
+# Chi-square tests whose maths no Transformers release touches (the speculative-sampling rule alone, hybrid rounds
+# that the 5.23 run already walks greedily and batched-sampled): the main run keeps them; the 5.23 run skips their
+# 130 s (2-core AMD EPYC with AVX2).
+COMPAT_DESELECT := $(foreach test,test_one_hot_draft_rejection_sampling_keeps_the_target_distribution \
+	test_hybrid_sampling_preserves_target_distribution test_hybrid_tree_sampling_preserves_target_distribution, \
+	--deselect tests/test_generation_hybrid.py::$(test))
 PREVIOUS_TESTS := tests/test_generate_hook.py tests/test_modeling.py \
 	tests/test_candidate_generator.py::test_oracle_drafts_whole_blocks_in_transformers_loop \
 	tests/test_generation_greedy.py::test_return_dict_scores_logits_and_hidden_states_match_plain \
@@ -57,7 +63,7 @@ test: $(STAMP) $(COMPAT) $(PREVIOUS) lint
 	$(MAKE) test-compat
 
 test-compat: $(STAMP) $(COMPAT) $(PREVIOUS)
-	PYTHONPATH=$(COMPAT) HF_DFLASH_TEST_CACHE=$(TEST_TARGETS) $(PYTEST) -p no:cacheprovider $(COMPAT_TESTS)
+	PYTHONPATH=$(COMPAT) HF_DFLASH_TEST_CACHE=$(TEST_TARGETS) $(PYTEST) -p no:cacheprovider $(COMPAT_TESTS) $(COMPAT_DESELECT)
 	PYTHONPATH=$(PREVIOUS) HF_DFLASH_TEST_CACHE=$(TEST_TARGETS) $(BIN)/python -m pytest -q -p no:cacheprovider \
 		$(PREVIOUS_TESTS)
 
