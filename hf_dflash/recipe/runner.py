@@ -180,6 +180,13 @@ def _other_process(run: RecipeRun) -> int:
     while not all(stage_state(run.out, stage.name, s, p) == "done" for stage, s, p in waiting):
         time.sleep(WAIT_SECONDS)
     train_from_config(run.train_config)
+    import torch.distributed as distributed
+
+    if distributed.is_available() and distributed.is_initialized():
+        # Left to the interpreter's teardown, the gloo group aborted this process in a full test run on a 2-core
+        # AMD EPYC (torch 2.13: "terminate called without an active exception", SIGABRT) while the main process
+        # was still benchmarking, and torchrun then killed the main process: leave the group before exiting.
+        distributed.destroy_process_group()
     return 0
 
 
