@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hf_dflash.cli import main
-from hf_dflash.data import corpus, pipeline, regenerate, sources
+from hf_dflash.data import code_sources, corpus, pipeline, regenerate, sources
 from hf_dflash.data.corpus import build_corpus, read_prompts_file
 from hf_dflash.data.regenerate import regenerate_responses
 from hf_dflash.data.tokenize import tokenize_conversation, tokenize_responses
@@ -509,8 +509,6 @@ def test_code_functions_offer_each_documented_public_function_and_method_with_it
 
 
 def test_code_files_cut_whole_top_level_statements_over_the_size_band_with_a_task(monkeypatch):
-    from hf_dflash.data import code_sources
-
     blocks = [f"def f{i}():\n    return {i}  # {'x' * 30}\n" for i in range(40)]
     chunks = code_sources.file_chunks("\n".join(blocks), 200, 500)  # sizes rotate 200, 300, 400
     assert [(line, len(text), name) for line, text, name in chunks] == [
@@ -539,12 +537,17 @@ def test_code_files_cut_whole_top_level_statements_over_the_size_band_with_a_tas
 
 @pytest.mark.real_model
 def test_code_sources_read_the_pinned_packages_and_share_no_13_word_run_with_the_evaluation_suite():
-    for name in ("boltons", "more-itertools"):
+    for name in code_sources.CODE_PACKAGES + code_sources.MORE_CODE_PACKAGES:
         if not package_installed(name):
             pytest.fail(f"data package missing: {sources.DATA_FILES[name].install_hint} (make test installs it)")
     functions, files = sources.load_source("code-functions"), sources.load_source("code-files")
-    assert (len(functions), len(files)) == (492, 72)
-    assert len({r["id"] for r in functions + files}) == 564
+    assert (len(functions), len(files)) == (492, 72)  # the prompts committed parts were regenerated from
+    more_functions, more_files = sources.load_source("code-functions-2"), sources.load_source("code-files-2")
+    assert (len(more_functions), len(more_files)) == (460, 66)
+    assert more_functions[0]["id"] == "code-functions-2:pydash/arrays.py:chunk"
+    assert ">>> chunk(" in more_functions[0]["messages"][0]["content"]  # docstrings show calls, as HumanEval's
+    functions, files = functions + more_functions, files + more_files
+    assert len({r["id"] for r in functions + files}) == 1090
     sizes = sorted(len(r["messages"][0]["content"]) for r in files)
     assert 4000 < sizes[0] and sizes[-1] < 12200 and sizes[len(sizes) // 2] > 6000  # spread over the band
     index = corpus.build_eval_index(sources.load_eval_suite())

@@ -9,6 +9,10 @@ Two sources read the modules of `CODE_PACKAGES` (boltons, more-itertools: docume
 - `code-files`: a run of a module's consecutive top-level statements, `FILE_CHARS` characters (about 1k-4k tokens),
   pasted with a task on it (explain, summarise, test, type, review, refactor): the long code prompts of chat users.
 
+`code-functions-2` and `code-files-2` are the same prompts over `MORE_CODE_PACKAGES` (pydash, toolz: MIT / BSD;
+small functions whose docstrings show calls and results, as HumanEval's do). They are sources of their own, not
+more packages in the first two, so a corpus built from the first two keeps its prompts and their shuffled order.
+
 Instructions and tasks rotate through fixed lists, so the prompts are the same on every machine. Records are
 `{"id", "source", "messages"}` as in `sources.py`; ids name the package, module and function (or first line).
 
@@ -23,6 +27,7 @@ import ast
 from pathlib import Path
 
 CODE_PACKAGES = ("boltons", "more-itertools")  # names in sources.DATA_FILES
+MORE_CODE_PACKAGES = ("pydash", "toolz")
 FILE_CHARS = (4000, 12000)  # a code-files chunk's size in characters: [shortest, longest]
 
 FUNCTION_INSTRUCTIONS = (
@@ -120,11 +125,13 @@ def package_modules(name: str, locate) -> list[tuple[str, str]]:
     return [(path.name, path.read_text(encoding="utf-8")) for path in sorted(folder.glob("*.py"))]
 
 
-def code_prompts(make_prompts, locate, limit: int | None) -> list[tuple[str, str]]:
-    """(key, prompt) pairs of `make_prompts(package, module, source)` over every module of `CODE_PACKAGES` (found
-    by `locate`, which checks their hashes), at most `limit`; `sources.py` makes them records."""
+def code_prompts(
+    make_prompts, locate, limit: int | None, packages: tuple[str, ...] = CODE_PACKAGES
+) -> list[tuple[str, str]]:
+    """(key, prompt) pairs of `make_prompts(package, module, source)` over every module of `packages` (found by
+    `locate`, which checks their hashes), at most `limit`; `sources.py` makes them records."""
     prompts = []
-    for package in CODE_PACKAGES:
+    for package in packages:
         for module, source in package_modules(package, locate):
             prompts.extend(make_prompts(package, module, source))
             if limit is not None and len(prompts) >= limit:
