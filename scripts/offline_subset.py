@@ -17,7 +17,8 @@ re-made by running this script again with that subset's settings). `--parts A,B`
 parts (new data for a drafter that saw the others); `--reserve PART` never draws the first
 `--eval-samples` chats of PART, a second fixed held-out set (`heldout_tau.py --eval-part PART`), and
 `--reserve PART:N` the first N (a scarce part keeps more of its chats for training), `--reserve PART:-N` the last N
-(the set `heldout_tau.py --parts PART --samples N` scores). `--include-all PART`
+(the set `heldout_tau.py --parts PART --samples N` scores); both ends of one part may be reserved (`PART:N` beside
+`PART:-M`: a growing part's chats an earlier subset saw, and those packed after it). `--include-all PART`
 (repeatable) puts every chat of PART that is not held out, reserved or excluded in the training subset, beside the
 `--samples` drawn from the other parts: a small new part (long prompts, sampled replies) is then not left to the draw.
 
@@ -55,7 +56,7 @@ def choose_subset(
     eval_samples: int,
     exclude: set[int] = frozenset(),
     train_parts: set[str] | None = None,
-    reserved_parts: tuple[str, ...] | dict[str, int] = (),
+    reserved_parts: tuple[str, ...] | dict[str, int | tuple[int, ...]] = (),
     whole_parts: tuple[str, ...] = (),
 ) -> tuple[list[int], list[int]]:
     """(training indices, held-out indices) of a packed dataset whose sample i belongs to `parts[i]`.
@@ -63,8 +64,8 @@ def choose_subset(
     Held out: the first `eval_samples` of `eval_part` (the fixed held-out set of the recipe comparison
     and learning curve). Training: `count` of the others not in `exclude`, drawn with
     `random.Random(seed)`, in dataset order; only from `train_parts` when given. The first `eval_samples`
-    of each of `reserved_parts` (or the count a dict gives per part; a negative count -N: its last N) are never
-    drawn either (a second fixed held-out set, scored apart). Every eligible sample of `whole_parts` is in the
+    of each of `reserved_parts` (or the count, or counts, a dict gives per part; a negative count -N: its last N) are
+    never drawn either (a second fixed held-out set, scored apart). Every eligible sample of `whole_parts` is in the
     training list, beside the `count` drawn from the other parts.
     """
     if isinstance(eval_samples, bool) or not isinstance(eval_samples, int) or eval_samples < 0:
@@ -79,7 +80,10 @@ def choose_subset(
     if unknown:
         raise ValueError(f"Part(s) {unknown} are not in the packed data; its parts: {sorted(set(parts))}.")
     reserved = [
-        i for part, n in reserve_counts.items() for i in first_or_last([j for j, p in enumerate(parts) if p == part], n)
+        i
+        for part, counts in reserve_counts.items()
+        for n in (counts if isinstance(counts, tuple) else (counts,))
+        for i in first_or_last([j for j, p in enumerate(parts) if p == part], n)
     ]
     excluded = set(held_out) | set(exclude) | set(reserved)
     whole = [i for i in range(len(parts)) if i not in excluded and parts[i] in whole_parts]
@@ -98,10 +102,10 @@ def first_or_last(indices: list[int], n: int) -> list[int]:
     return indices[:n] if n > 0 else indices[n:]
 
 
-def parse_reserve(values: list[str], eval_samples: int) -> dict[str, int]:
-    """`--reserve PART`, `PART:N` or `PART:-N` values -> {part: chats held out, negative for the last ones}; N
-    defaults to `--eval-samples`."""
-    counts = {}
+def parse_reserve(values: list[str], eval_samples: int) -> dict[str, tuple[int, ...]]:
+    """`--reserve PART`, `PART:N` or `PART:-N` values -> {part: (chats held out, negative for the last ones)}; N
+    defaults to `--eval-samples`. A part may be reserved once at each end."""
+    counts: dict[str, tuple[int, ...]] = {}
     for value in values:
         part, _, n = value.partition(":")
         if n and not (n.removeprefix("-").isdigit() and int(n) != 0):
@@ -109,9 +113,14 @@ def parse_reserve(values: list[str], eval_samples: int) -> dict[str, int]:
                 f"--reserve {value}: the count after ':' must be a whole number other than 0 (PART, PART:N for the "
                 "first N chats, PART:-N for the last N)."
             )
-        if part in counts:
-            raise ValueError(f"--reserve {value}: {part} is reserved twice; give one count per part.")
-        counts[part] = int(n) if n else eval_samples
+        count = int(n) if n else eval_samples
+        if any((earlier > 0) == (count > 0) for earlier in counts.get(part, ())):
+            end = "first" if count > 0 else "last"
+            raise ValueError(
+                f"--reserve {value}: {part} is reserved twice from its {end} chats; give one count per end "
+                "(PART:N for the first N, PART:-M for the last M)."
+            )
+        counts[part] = (*counts.get(part, ()), count)
     return counts
 
 
@@ -153,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="PART",
         help="never draw the first --eval-samples (or N) chats of PART, given as PART or PART:N, or its last N "
-        "as PART:-N (a second held-out set; repeatable)",
+        "as PART:-N (a second held-out set; repeatable, once per end of a part)",
     )
     parser.add_argument(
         "--include-all",

@@ -324,9 +324,15 @@ def test_offline_subset_trains_on_every_chat_of_an_included_part_and_reserves_a_
     assert sorted(i for i in train if i.startswith("code")) == [f"code:{i}" for i in range(5)]
     assert offline_subset.main([*common, "--out", str(tmp_path / "f"), "--samples", "1", "--reserve", "long:0"]) == 2
     assert "other than 0" in capsys.readouterr().err
-    argv = [*common, "--out", str(tmp_path / "g"), "--samples", "1", "--reserve", "long:1", "--reserve", "long:-1"]
-    assert offline_subset.main(argv) == 2
-    assert "long is reserved twice" in capsys.readouterr().err
+    # both ends of one part (a growing part: the chats an earlier subset saw, and those packed after it)
+    argv = [*common, "--out", str(tmp_path / "g"), "--samples", "1", "--reserve", "long:1", "--reserve", "long:-2"]
+    assert offline_subset.main(argv) == 0
+    train = json.loads((tmp_path / "g" / "subset.json").read_text())["train_ids"]
+    assert sorted(i for i in train if i.startswith("story")) == [f"story:{i}" for i in range(1, 4)]
+    for twice in (["long:1", "long"], ["long:-1", "long:-2"]):  # the same end twice is ambiguous
+        argv = [*common, "--out", str(tmp_path / "h"), "--samples", "1", "--reserve", twice[0], "--reserve", twice[1]]
+        assert offline_subset.main(argv) == 2
+        assert "long is reserved twice from its" in capsys.readouterr().err
 
 
 regenerate_range = load_module("scripts/regenerate_range.py")
