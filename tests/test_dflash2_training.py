@@ -12,7 +12,7 @@ from hf_dflash.trainer.forward import dflash_training_forward
 from hf_dflash.trainer.maths import block_predecessors, dpace_weights, selector_cross_entropy
 from hf_dflash.trainer.upgrade import dflash2_from_dflash
 from tests.conftest import make_drafter, make_target
-from tests.helpers.training import BLOCK, arguments, samples
+from tests.helpers.training import BLOCK, arguments, packed_equals_served, samples
 
 K = 4
 
@@ -211,33 +211,6 @@ def test_the_selector_gets_its_own_learning_rate(tmp_path):
     assert any("selector_acc" in entry for entry in trainer.state.log_history)
     with pytest.raises(ValueError, match="selector_learning_rate must be > 0"):
         arguments(tmp_path, selector_learning_rate=0.0)
-
-
-def packed_equals_served(trained, served, target, block_size: int) -> float:
-    """Max |packed training forward of `trained` - one block at a time through `served`| over the blocks of a
-    batch of `block_size` blocks (fp32): the function trained is the one served."""
-    from hf_dflash.trainer import DFlashDataCollator
-
-    collate = DFlashDataCollator(block_size, num_anchors=5, mask_token_id=served.config.mask_token_id, gamma=3.0)
-    batch = collate(samples(count=2, length=40, seed=5))
-    features = compute_target_features(
-        target, batch["input_ids"], served.config.target_layer_ids, batch["attention_mask"]
-    )
-    embedding, worst = target.get_input_embeddings(), 0.0
-    with torch.no_grad():
-        packed = dflash_training_forward(trained, embedding, batch, features, trained.config)
-        for row, anchor in batch["anchor_valid"].nonzero().tolist():
-            p, block = (
-                int(batch["anchor_positions"][row, anchor]),
-                slice(anchor * block_size, (anchor + 1) * block_size),
-            )
-            one = served(
-                noise_embeds=embedding(batch["block_ids"][row : row + 1, block]),
-                context_hidden_states=features[row : row + 1, :p],
-                position_ids=torch.arange(p + block_size)[None],
-            ).last_hidden_state
-            worst = max(worst, float((one - packed[row : row + 1, block]).abs().max()))
-    return worst
 
 
 @pytest.mark.parametrize("start", ["dflash2_block_4", "dflash_block_4_upgraded"])

@@ -3,7 +3,8 @@ context passes the window, as the target's does (past recording), and a cached p
 cache-free forward over the whole context attends to. Layouts: z-lab's (every layer sliding, window 16,
 bidirectional in the block), a DFlash2 drafter with sliding layers, one sliding layer of window 4 (causal or
 bidirectional in the block). Greedy output equals plain greedy token for token (fp32) in every loop: the
-package's, the folder's `custom_generate` and Transformers' assisted loop (`speculation_type="dflash"`)."""
+package's, the folder's `custom_generate` and Transformers' assisted loop (`speculation_type="dflash"`). Training
+masks each layer as serving does (window, causal or bidirectional block), so the function trained is the one served."""
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from hf_dflash.modeling_dflash.custom_generate import dflash_decoding, drafter_cache, drafter_pass
 from tests.conftest import make_drafter, make_target
 from tests.helpers.generation import plain_greedy, prompt
+from tests.helpers.training import packed_equals_served, samples
 
 SLIDING = "sliding_attention"
 DFLASH2 = dict(conv_kernel_size=2, conv_group_size=8, selector_rank=6, selector_top_k=4)
@@ -86,3 +88,68 @@ def test_cached_passes_equal_a_cache_free_forward_over_the_whole_context(name):
             whole = drafter(noise_embeds=embedding(block), context_hidden_states=features[:, :seen]).last_hidden_state
             assert cache.get_seq_length() == seen
             assert (cached - whole[:, 1:]).abs().max() < 1e-5, (round_index, seen)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_the_packed_training_forward_is_the_served_function(name):
+    """Every block of the packed training forward (5 anchors a chat, contexts up to 40 tokens: past every window)
+    equals that block drafted alone over its context, as serving drafts it (fp32, < 1e-5). Before, training gave
+    sliding layers full attention and a bidirectional block, a function no loop served."""
+    target = make_target("qwen3")
+    drafter = sliding_drafter(target, name).eval()
+    assert packed_equals_served(drafter, drafter, target, drafter.config.block_size) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["one_sliding_4_causal", "zlab_all_sliding_16_bidirectional"])
+def test_the_flex_training_masks_equal_the_dense_ones_for_every_layer_type(name):
+    """The flex-attention masks (GPU training) encode each layer type's dense mask, window included, and give the
+    same packed forward."""
+    from hf_dflash.trainer import DFlashDataCollator, compute_target_features
+    from hf_dflash.trainer.forward import dflash_training_forward, training_attention_masks
+    from hf_dflash.trainer.maths import build_training_mask, training_mask_mod
+
+    target = make_target("qwen3")
+    drafter = sliding_drafter(target, name).eval()
+    config = drafter.config
+    collate = DFlashDataCollator(config.block_size, num_anchors=5, mask_token_id=config.mask_token_id, gamma=3.0)
+    batch = collate(samples(count=2, length=40, seed=5))
+    anchors, valid, seq_len = batch["anchor_positions"], batch["anchor_valid"], batch["input_ids"].shape[1]
+    dense = training_attention_masks(config, anchors, valid, seq_len)
+    dense = dense if isinstance(dense, dict) else {config.layer_types[0]: dense}
+    assert set(dense) == set(config.layer_types)
+    for layer_type, mask in dense.items():
+        window = config.sliding_window if layer_type == SLIDING else None
+        causal = window is not None and not config.sliding_window_non_causal
+        assert torch.equal(mask, build_training_mask(anchors, valid, seq_len, config.block_size, window, causal))
+        mask_mod = training_mask_mod(anchors, valid, seq_len, config.block_size, window, causal)
+        queries, keys = torch.arange(mask.shape[2]), torch.arange(mask.shape[3])
+        for row in range(2):
+            assert torch.equal(mask_mod(torch.tensor(row), None, queries[:, None], keys[None, :]), mask[row, 0])
+    features = compute_target_features(target, batch["input_ids"], config.target_layer_ids, batch["attention_mask"])
+    outputs = {}
+    # torch 2.13's CPU inductor cannot compile its flex-attention template when a second shape makes it recompile
+    # with dynamic shapes (`cur_qSplitSize8` not declared): compile each case afresh.
+    torch._dynamo.reset()
+    for implementation in ("sdpa", "flex_attention"):
+        drafter.set_attn_implementation(implementation)
+        with torch.no_grad():
+            outputs[implementation] = dflash_training_forward(
+                drafter, target.get_input_embeddings(), batch, features, drafter.config
+            )
+    torch.testing.assert_close(outputs["flex_attention"], outputs["sdpa"], rtol=1e-4, atol=1e-5)
+
+
+def test_sliding_masks_by_hand():
+    """One anchor at position 5, block 4, window 3: slot k (position 5 + k) sees context j in (2 + k, 5) and, causal,
+    block slots m in (k - 3, k]; bidirectional, every slot m > k - 3."""
+    from hf_dflash.trainer.maths import build_training_mask
+
+    anchors, valid = torch.tensor([[5]]), torch.tensor([[True]])
+    causal = build_training_mask(anchors, valid, seq_len=8, block_size=4, sliding_window=3, block_causal=True)[0, 0]
+    assert causal[:, :8].nonzero().tolist() == [[0, 3], [0, 4], [1, 4]]  # slot 2 (position 7) sees 5, 6: the block
+    assert causal[:, 8:].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1]]
+    both = build_training_mask(anchors, valid, seq_len=8, block_size=4, sliding_window=3)[0, 0]
+    assert torch.equal(both[:, :8], causal[:, :8])
+    assert both[:, 8:].int().tolist() == [[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]]
+    full = build_training_mask(anchors, valid, seq_len=8, block_size=4)[0, 0]
+    assert full[:, :5].all() and not full[:, 5:8].any() and full[:, 8:].all()

@@ -20,19 +20,33 @@ def dflash_training_forward(
     """Packed multi-block forward: (B, A*bs, H) drafter outputs for every block of the batch at once.
 
     `drafter` may be wrapped (DDP, PEFT); `config` is its `DFlashConfig` (block size, attention
-    implementation: flex attention gets a `BlockMask`, SDPA/eager a dense mask). target_hidden_states (B, S, n*Ht) are the features of the
+    implementation: flex attention gets a `BlockMask`, SDPA/eager a dense mask; layer types and windows:
+    `training_attention_masks`). target_hidden_states (B, S, n*Ht) are the features of the
     clean sequence; each block sees those strictly before its anchor and its own block
     (see `build_training_mask`).
     """
     seq_len = batch["input_ids"].shape[1]
-    build = build_training_block_mask if config._attn_implementation == "flex_attention" else build_training_mask
-    mask = build(batch["anchor_positions"], batch["anchor_valid"], seq_len, config.block_size)
     return drafter(
         noise_embeds=embedding(batch["block_ids"]),
         context_hidden_states=target_hidden_states,
         position_ids=training_position_ids(batch["block_positions"], seq_len),
-        attention_mask=mask,
+        attention_mask=training_attention_masks(config, batch["anchor_positions"], batch["anchor_valid"], seq_len),
     ).last_hidden_state
 
 
-__all__ = ["dflash_training_forward"]
+def training_attention_masks(
+    config: DFlashConfig, anchor_positions: torch.LongTensor, anchor_valid: torch.BoolTensor, seq_len: int
+):
+    """The packed forward's mask for the drafter's layers: one mask when they are all of one type, else
+    {layer type: mask}. Sliding-window layers get their window, and are causal inside the block unless
+    `sliding_window_non_causal`, as serving masks them (so a windowed drafter trains the function it serves)."""
+    build = build_training_block_mask if config._attn_implementation == "flex_attention" else build_training_mask
+    masks = {}
+    for layer_type in sorted(set(config.layer_types)):
+        window = config.sliding_window if layer_type == "sliding_attention" else None
+        block_causal = window is not None and not config.sliding_window_non_causal
+        masks[layer_type] = build(anchor_positions, anchor_valid, seq_len, config.block_size, window, block_causal)
+    return masks if len(masks) > 1 else next(iter(masks.values()))
+
+
+__all__ = ["dflash_training_forward", "training_attention_masks"]

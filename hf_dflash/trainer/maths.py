@@ -117,7 +117,12 @@ def build_blocks(
 
 
 def build_training_mask(
-    anchor_positions: torch.LongTensor, anchor_valid: torch.BoolTensor, seq_len: int, block_size: int
+    anchor_positions: torch.LongTensor,
+    anchor_valid: torch.BoolTensor,
+    seq_len: int,
+    block_size: int,
+    sliding_window: int | None = None,
+    block_causal: bool = False,
 ) -> torch.BoolTensor:
     """(B, 1, A*bs, S + A*bs) boolean attention mask of the packed multi-block forward.
 
@@ -126,6 +131,10 @@ def build_training_mask(
     else (no other block, so overlapping blocks never see each other's future). Padding blocks see
     only their own block: no row is fully masked (SDPA would return NaN) and their zero weight keeps
     them out of the loss.
+
+    A sliding-window layer's mask (`sliding_window`, as serving masks it): the query at position p_b + k
+    also needs the key's position above p_b + k - sliding_window (context key j at j, block slot m at
+    p_b + m), and with `block_causal` only slots m <= k of its block.
     """
     batch, num_anchors = anchor_positions.shape
     device = anchor_positions.device
@@ -133,28 +142,51 @@ def build_training_mask(
     context = context & anchor_valid[..., None]
     context = context.repeat_interleave(block_size, dim=1)  # (B, A*bs, S)
     block_of = torch.arange(num_anchors * block_size, device=device) // block_size
-    own_block = (block_of[:, None] == block_of[None, :]).expand(batch, -1, -1)  # (B, A*bs, A*bs)
-    return torch.cat([context, own_block], dim=-1)[:, None]
+    own_block = block_of[:, None] == block_of[None, :]  # (A*bs, A*bs)
+    if sliding_window is not None:
+        slot = torch.arange(num_anchors * block_size, device=device) % block_size  # (A*bs,)
+        query_position = anchor_positions.repeat_interleave(block_size, dim=1) + slot  # (B, A*bs)
+        context = context & (query_position[..., None] - torch.arange(seq_len, device=device) < sliding_window)
+        own_block = own_block & (slot[:, None] - slot[None, :] < sliding_window)
+        if block_causal:
+            own_block = own_block & (slot[None, :] <= slot[:, None])
+    return torch.cat([context, own_block.expand(batch, -1, -1)], dim=-1)[:, None]
 
 
 def training_mask_mod(
-    anchor_positions: torch.LongTensor, anchor_valid: torch.BoolTensor, seq_len: int, block_size: int
+    anchor_positions: torch.LongTensor,
+    anchor_valid: torch.BoolTensor,
+    seq_len: int,
+    block_size: int,
+    sliding_window: int | None = None,
+    block_causal: bool = False,
 ):
     """The rule of `build_training_mask` as a flex-attention `mask_mod(b, h, q_idx, kv_idx)`: query q is
     slot q % bs of block q // bs; key kv < S is context position kv, key kv >= S is block token kv - S."""
 
     def mask_mod(batch, head, q_idx, kv_idx):
-        block = q_idx // block_size
+        block, slot = q_idx // block_size, q_idx % block_size
         anchor = anchor_positions[batch, block]
         sees_context = (kv_idx < seq_len) & (kv_idx < anchor) & anchor_valid[batch, block]
         sees_own_block = (kv_idx >= seq_len) & ((kv_idx - seq_len) // block_size == block)
+        if sliding_window is not None:
+            key_slot = (kv_idx - seq_len) % block_size
+            sees_context = sees_context & (anchor + slot - kv_idx < sliding_window)
+            sees_own_block = sees_own_block & (slot - key_slot < sliding_window)
+            if block_causal:
+                sees_own_block = sees_own_block & (key_slot <= slot)
         return sees_context | sees_own_block
 
     return mask_mod
 
 
 def build_training_block_mask(
-    anchor_positions: torch.LongTensor, anchor_valid: torch.BoolTensor, seq_len: int, block_size: int
+    anchor_positions: torch.LongTensor,
+    anchor_valid: torch.BoolTensor,
+    seq_len: int,
+    block_size: int,
+    sliding_window: int | None = None,
+    block_causal: bool = False,
 ):
     """Flex-attention `BlockMask` of the packed forward (same rule as `build_training_mask`): only the
     tiles that hold visible keys are computed, which is what makes 512 anchors affordable on GPU."""
@@ -162,7 +194,7 @@ def build_training_block_mask(
 
     batch, num_anchors = anchor_positions.shape
     queries = num_anchors * block_size
-    mask_mod = training_mask_mod(anchor_positions, anchor_valid, seq_len, block_size)
+    mask_mod = training_mask_mod(anchor_positions, anchor_valid, seq_len, block_size, sliding_window, block_causal)
     return create_block_mask(mask_mod, batch, None, queries, seq_len + queries, device=anchor_positions.device)
 
 

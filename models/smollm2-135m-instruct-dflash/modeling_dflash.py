@@ -590,7 +590,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         position_ids (B, C+q): positions of the new context tokens then of the block
             (default: continue after what `cache` holds);
         attention_mask: 2D (B, past+C+q) padding mask, or a ready boolean 4D (B, 1, q, past+C+q) mask
-            (e.g. the packed training mask), or a flex-attention BlockMask, or None;
+            (e.g. the packed training mask), or a flex-attention BlockMask, or a dict of ready masks keyed
+            by layer type ("full_attention", "sliding_attention"), or None;
         cache (`past_key_values` in Transformers <= 5.23): a `DynamicCache`/`DFlashCache` holding the
             context keys/values of earlier rounds; this call appends context AND block keys/values,
             and the caller crops the block before the next round.
@@ -605,7 +606,12 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             ).unsqueeze(0)
         key_length = past_length + context_length + query_length
 
-        if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):  # a flex BlockMask
+        if isinstance(attention_mask, dict):  # one ready mask per layer type (training, mixed layer types)
+            missing = set(self.config.layer_types) - set(attention_mask)
+            if missing:
+                raise ValueError(f"attention_mask has no mask for the layer types {sorted(missing)}.")
+            masks = attention_mask
+        elif attention_mask is not None and not isinstance(attention_mask, torch.Tensor):  # a flex BlockMask
             masks = {layer_type: attention_mask for layer_type in set(self.config.layer_types)}
         elif attention_mask is not None and attention_mask.dim() == 4:
             masks = {layer_type: attention_mask.bool() for layer_type in set(self.config.layer_types)}

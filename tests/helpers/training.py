@@ -79,3 +79,31 @@ def run_worker(argv: list[str], **kwargs) -> None:
     run = subprocess.run(argv, capture_output=True, text=True, timeout=300, **kwargs)
     if run.returncode != 0:
         raise AssertionError(f"{argv} exited {run.returncode}:\n{run.stdout[-2000:]}\n{run.stderr[-6000:]}")
+
+
+def packed_equals_served(trained, served, target, block_size: int) -> float:
+    """Max |packed training forward of `trained` - one block at a time through `served`| over the blocks of a
+    batch of `block_size` blocks, 2 chats of up to 40 tokens (fp32): the function trained is the one served."""
+    from hf_dflash.trainer import DFlashDataCollator, compute_target_features
+    from hf_dflash.trainer.forward import dflash_training_forward
+
+    collate = DFlashDataCollator(block_size, num_anchors=5, mask_token_id=served.config.mask_token_id, gamma=3.0)
+    batch = collate(samples(count=2, length=40, seed=5))
+    features = compute_target_features(
+        target, batch["input_ids"], served.config.target_layer_ids, batch["attention_mask"]
+    )
+    embedding, worst = target.get_input_embeddings(), 0.0
+    with torch.no_grad():
+        packed = dflash_training_forward(trained, embedding, batch, features, trained.config)
+        for row, anchor in batch["anchor_valid"].nonzero().tolist():
+            p, block = (
+                int(batch["anchor_positions"][row, anchor]),
+                slice(anchor * block_size, (anchor + 1) * block_size),
+            )
+            one = served(
+                noise_embeds=embedding(batch["block_ids"][row : row + 1, block]),
+                context_hidden_states=features[row : row + 1, :p],
+                position_ids=torch.arange(p + block_size)[None],
+            ).last_hidden_state
+            worst = max(worst, float((one - packed[row : row + 1, block]).abs().max()))
+    return worst
