@@ -75,6 +75,33 @@ def dflash_attention_mask(
     return mask
 
 
+def layer_type_masks(config, attention_mask, query_length: int, key_length: int) -> dict:
+    """{layer type: the mask its layers attend with} for one drafter forward. `attention_mask` as
+    `DFlashDraftModel.forward` takes it: a dict of ready masks per layer type (checked to cover the config's),
+    one ready 4D mask or flex BlockMask for every layer, or a 2D padding mask / None from which each layer
+    type's mask is built (`dflash_attention_mask`: the window and block rule of sliding layers)."""
+    layer_types = set(config.layer_types)
+    if isinstance(attention_mask, dict):  # one ready mask per layer type (training, mixed layer types)
+        missing = layer_types - set(attention_mask)
+        if missing:
+            raise ValueError(f"attention_mask has no mask for the layer types {sorted(missing)}.")
+        return attention_mask
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):  # a flex BlockMask
+        return {layer_type: attention_mask for layer_type in layer_types}
+    if attention_mask is not None and attention_mask.dim() == 4:
+        return {layer_type: attention_mask.bool() for layer_type in layer_types}
+    return {
+        "full_attention": dflash_attention_mask(attention_mask, query_length, key_length, None),
+        "sliding_attention": dflash_attention_mask(
+            attention_mask,
+            query_length,
+            key_length,
+            config.sliding_window,
+            block_causal=not config.sliding_window_non_causal,
+        ),
+    }
+
+
 def grouped_dynamic_conv(
     hidden: torch.Tensor, deltas: torch.Tensor, base_kernel: torch.Tensor, block_size: int
 ) -> torch.Tensor:
@@ -606,26 +633,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             ).unsqueeze(0)
         key_length = past_length + context_length + query_length
 
-        if isinstance(attention_mask, dict):  # one ready mask per layer type (training, mixed layer types)
-            missing = set(self.config.layer_types) - set(attention_mask)
-            if missing:
-                raise ValueError(f"attention_mask has no mask for the layer types {sorted(missing)}.")
-            masks = attention_mask
-        elif attention_mask is not None and not isinstance(attention_mask, torch.Tensor):  # a flex BlockMask
-            masks = {layer_type: attention_mask for layer_type in set(self.config.layer_types)}
-        elif attention_mask is not None and attention_mask.dim() == 4:
-            masks = {layer_type: attention_mask.bool() for layer_type in set(self.config.layer_types)}
-        else:
-            masks = {
-                "full_attention": dflash_attention_mask(attention_mask, query_length, key_length, None),
-                "sliding_attention": dflash_attention_mask(
-                    attention_mask,
-                    query_length,
-                    key_length,
-                    self.config.sliding_window,
-                    block_causal=not self.config.sliding_window_non_causal,
-                ),
-            }
+        masks = layer_type_masks(self.config, attention_mask, query_length, key_length)
 
         hidden_states = noise_embeds.to(self.fc.weight.dtype)
         if self.config.input_embedding_scale != 1.0:
