@@ -20,7 +20,8 @@ parts (new data for a drafter that saw the others); `--reserve PART` never draws
 (the set `heldout_tau.py --parts PART --samples N` scores); both ends of one part may be reserved (`PART:N` beside
 `PART:-M`: a growing part's chats an earlier subset saw, and those packed after it). `--include-all PART`
 (repeatable) puts every chat of PART that is not held out, reserved or excluded in the training subset, beside the
-`--samples` drawn from the other parts: a small new part (long prompts, sampled replies) is then not left to the draw.
+`--samples` drawn from the other parts: a small new part (long prompts, sampled replies) is then not left to the draw;
+`--samples 0` writes the included parts alone (a part packed after a subset was drawn, to add to it).
 
 Files are written under temporary names and renamed when complete; `subset.json` (written last) records
 the settings and the chosen sample ids. Re-running with the same settings leaves a finished folder alone;
@@ -92,7 +93,9 @@ def choose_subset(
         for i in range(len(parts))
         if i not in excluded and parts[i] not in whole_parts and (train_parts is None or parts[i] in train_parts)
     ]
-    if not 1 <= count <= len(candidates):
+    if count == 0 and not whole:
+        raise ValueError("--samples 0 draws nothing: name the parts to take whole with --include-all.")
+    if not (0 if whole else 1) <= count <= len(candidates):
         raise ValueError(f"--samples {count}: choose between 1 and the {len(candidates)} training samples.")
     return sorted(whole + random.Random(seed).sample(candidates, count)), held_out
 
@@ -144,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default=str(REPO / "data" / "smollm2-135m-instruct"), help="packed folder")
     parser.add_argument("--out", required=True, help="folder for tokenized-*.jsonl (created)")
-    parser.add_argument("--samples", type=int, required=True, help="training chats to draw")
+    parser.add_argument(
+        "--samples", type=int, required=True, help="training chats to draw (0: only the --include-all parts)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-part", default="regen-bf16-part2", help="part whose first chats are held out")
     parser.add_argument("--eval-samples", type=int, default=64)
@@ -180,8 +185,8 @@ def write_subset(args: argparse.Namespace) -> int:
     out = check_output_folder(args.out)
     if args.eval_samples < 0:
         raise ValueError(f"--eval-samples {args.eval_samples}: must be a count >= 0.")
-    if args.samples < 1:
-        raise ValueError(f"--samples {args.samples}: must be >= 1.")
+    if args.samples < 0:
+        raise ValueError(f"--samples {args.samples}: must be >= 0 (0: the --include-all parts alone).")
     excluded_ids = {path: read_train_ids(Path(path)) for path in args.exclude}
     with folder_lock(out, "offline_subset.py"):  # the checks below and the writes: one writer at a time
         return write_locked(args, out, excluded_ids)

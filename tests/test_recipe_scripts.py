@@ -333,6 +333,14 @@ def test_offline_subset_trains_on_every_chat_of_an_included_part_and_reserves_a_
         argv = [*common, "--out", str(tmp_path / "h"), "--samples", "1", "--reserve", twice[0], "--reserve", twice[1]]
         assert offline_subset.main(argv) == 2
         assert "long is reserved twice from its" in capsys.readouterr().err
+    # --samples 0: the included parts alone (a new part's chats, to add to a subset drawn before)
+    assert offline_subset.main([*common, "--out", str(tmp_path / "i"), "--samples", "0", "--reserve", "long:1"]) == 0
+    train = json.loads((tmp_path / "i" / "subset.json").read_text())["train_ids"]
+    assert train == [f"story:{i}" for i in range(1, 6)]
+    argv = ["--data", str(packed), "--eval-part", "held", "--eval-samples", "2", "--out", str(tmp_path / "j")]
+    argv += ["--samples", "0"]
+    assert offline_subset.main(argv) == 2
+    assert "--samples 0 draws nothing: name the parts to take whole with --include-all" in capsys.readouterr().err
 
 
 regenerate_range = load_module("scripts/regenerate_range.py")
