@@ -95,7 +95,7 @@ def choose_subset(
     ]
     if count == 0 and not whole:
         raise ValueError("--samples 0 draws nothing: name the parts to take whole with --include-all.")
-    if not (0 if whole else 1) <= count <= len(candidates):
+    if not 0 <= count <= len(candidates):
         raise ValueError(f"--samples {count}: choose between 1 and the {len(candidates)} training samples.")
     return sorted(whole + random.Random(seed).sample(candidates, count)), held_out
 

@@ -7,6 +7,7 @@ drafter outputs.
 import torch
 
 from ..modeling_dflash import DFlashConfig
+from ..modeling_dflash.modeling_dflash import layer_mask_rule
 from .maths import build_training_block_mask, build_training_mask, training_position_ids
 
 
@@ -38,14 +39,15 @@ def training_attention_masks(
     config: DFlashConfig, anchor_positions: torch.LongTensor, anchor_valid: torch.BoolTensor, seq_len: int
 ):
     """The packed forward's mask for the drafter's layers: one mask when they are all of one type, else
-    {layer type: mask}. Sliding-window layers get their window, and are causal inside the block unless
-    `sliding_window_non_causal`, as serving masks them (so a windowed drafter trains the function it serves)."""
+    {layer type: mask}. Each type follows the rule serving masks it with (`layer_mask_rule`: a sliding layer's
+    window and block order), so a windowed drafter trains the function it serves."""
     build = build_training_block_mask if config._attn_implementation == "flex_attention" else build_training_mask
-    masks = {}
-    for layer_type in sorted(set(config.layer_types)):
-        window = config.sliding_window if layer_type == "sliding_attention" else None
-        block_causal = window is not None and not config.sliding_window_non_causal
-        masks[layer_type] = build(anchor_positions, anchor_valid, seq_len, config.block_size, window, block_causal)
+    masks = {
+        layer_type: build(
+            anchor_positions, anchor_valid, seq_len, config.block_size, *layer_mask_rule(config, layer_type)
+        )
+        for layer_type in sorted(set(config.layer_types))
+    }
     return masks if len(masks) > 1 else next(iter(masks.values()))
 
 

@@ -141,10 +141,10 @@ def build_training_mask(
     context = torch.arange(seq_len, device=device)[None, None, :] < anchor_positions[..., None]  # (B, A, S)
     context = context & anchor_valid[..., None]
     context = context.repeat_interleave(block_size, dim=1)  # (B, A*bs, S)
-    block_of = torch.arange(num_anchors * block_size, device=device) // block_size
+    flat = torch.arange(num_anchors * block_size, device=device)
+    block_of, slot = flat // block_size, flat % block_size  # (A*bs,) each
     own_block = block_of[:, None] == block_of[None, :]  # (A*bs, A*bs)
     if sliding_window is not None:
-        slot = torch.arange(num_anchors * block_size, device=device) % block_size  # (A*bs,)
         query_position = anchor_positions.repeat_interleave(block_size, dim=1) + slot  # (B, A*bs)
         context = context & (query_position[..., None] - torch.arange(seq_len, device=device) < sliding_window)
         own_block = own_block & (slot[:, None] - slot[None, :] < sliding_window)

@@ -75,11 +75,19 @@ def dflash_attention_mask(
     return mask
 
 
+def layer_mask_rule(config, layer_type: str) -> tuple[int | None, bool]:
+    """(window, causal inside the block) of a layer type's attention: full-attention layers see all context and the
+    whole block (None, False); sliding-window layers their `sliding_window`, causal unless `sliding_window_non_causal`."""
+    if layer_type != "sliding_attention":
+        return None, False
+    return config.sliding_window, not config.sliding_window_non_causal
+
+
 def layer_type_masks(config, attention_mask, query_length: int, key_length: int) -> dict:
     """{layer type: the mask its layers attend with} for one drafter forward. `attention_mask` as
     `DFlashDraftModel.forward` takes it: a dict of ready masks per layer type (checked to cover the config's),
     one ready 4D mask or flex BlockMask for every layer, or a 2D padding mask / None from which each layer
-    type's mask is built (`dflash_attention_mask`: the window and block rule of sliding layers)."""
+    type's mask is built (`dflash_attention_mask` with the type's `layer_mask_rule`)."""
     layer_types = set(config.layer_types)
     if isinstance(attention_mask, dict):  # one ready mask per layer type (training, mixed layer types)
         missing = layer_types - set(attention_mask)
@@ -91,14 +99,10 @@ def layer_type_masks(config, attention_mask, query_length: int, key_length: int)
     if attention_mask is not None and attention_mask.dim() == 4:
         return {layer_type: attention_mask.bool() for layer_type in layer_types}
     return {
-        "full_attention": dflash_attention_mask(attention_mask, query_length, key_length, None),
-        "sliding_attention": dflash_attention_mask(
-            attention_mask,
-            query_length,
-            key_length,
-            config.sliding_window,
-            block_causal=not config.sliding_window_non_causal,
-        ),
+        layer_type: dflash_attention_mask(
+            attention_mask, query_length, key_length, *layer_mask_rule(config, layer_type)
+        )
+        for layer_type in layer_types
     }
 
 
