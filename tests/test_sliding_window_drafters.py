@@ -3,15 +3,17 @@ context passes the window, as the target's does (past recording), and a cached p
 cache-free forward over the whole context attends to. Layouts: z-lab's (every layer sliding, window 16,
 bidirectional in the block), a DFlash2 drafter with sliding layers, one sliding layer of window 4 (causal or
 bidirectional in the block). Greedy output equals plain greedy token for token (fp32) in every loop: the
-package's, the folder's `custom_generate` and Transformers' assisted loop (`speculation_type="dflash"`). Training
+package's, the folder's `custom_generate` and Transformers' assisted loop (`speculation_type="dflash"`), and in
+batches, where a window counts tokens, not the cache slots that padding and rejected drafts leave empty. Training
 masks each layer as serving does (window, causal or bidirectional block), so the function trained is the one served."""
 
 import pytest
 import torch
 
+from hf_dflash.generation.drafting.block_drafter import BlockDrafter
 from hf_dflash.modeling_dflash.custom_generate import dflash_decoding, drafter_cache, drafter_pass
 from tests.conftest import make_drafter, make_target
-from tests.helpers.generation import plain_greedy, prompt
+from tests.helpers.generation import PAD, plain_greedy, prompt, random_batch
 from tests.helpers.training import packed_equals_served, samples
 
 SLIDING = "sliding_attention"
@@ -88,6 +90,48 @@ def test_cached_passes_equal_a_cache_free_forward_over_the_whole_context(name):
             whole = drafter(noise_embeds=embedding(block), context_hidden_states=features[:, :seen]).last_hidden_state
             assert cache.get_seq_length() == seen
             assert (cached - whole[:, 1:]).abs().max() < 1e-5, (round_index, seen)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_batched_passes_with_holes_equal_each_rows_cache_free_forward(name):
+    """Three rows drafted together over slots with holes (left padding, then rejected drafts: 30% of the 36 slots,
+    a different pattern per row, one row dropped mid-way) give each row the block outputs of one forward without
+    cache over that row's tokens alone (fp32, < 1e-5), past every window. Before, a batch's window counted slots
+    (holes shortened it) and its sliding layers evicted by slot count, so this was refused."""
+    target = make_target("qwen3")
+    drafter = sliding_drafter(target, name).eval()
+    block_size = drafter.config.block_size
+    embedding = target.get_input_embeddings()
+    generator = torch.Generator().manual_seed(1)
+    features = torch.randn(3, 36, drafter.fc.in_features, generator=generator)
+    valid = (torch.rand(3, 36, generator=generator) > 0.3).long()
+    valid[:, 0], valid[0, :4], valid[2, :9] = 1, 0, 0  # every row starts left-padded or not at all
+    bonus_tokens = torch.randint(3, 100, (3, 6), generator=generator)
+    block, rows, start = BlockDrafter(drafter, target), [0, 1, 2], 0
+    with torch.no_grad():
+        for round_index, new in enumerate([11, 5, 3, 7, 4, 6]):
+            if round_index == 3:  # row 1 finishes: the cache keeps rows 0 and 2
+                block.prune(torch.tensor([0, 2]))
+                rows = [0, 2]
+            block.add_context(features[rows, start : start + new], valid[rows, start : start + new])
+            start += new
+            cached = block.draft_hidden(bonus_tokens[rows, round_index], block_size)
+            for index, row in enumerate(rows):
+                ids = torch.full((1, block_size), drafter.config.mask_token_id)
+                ids[0, 0] = bonus_tokens[row, round_index]
+                context = features[row : row + 1, :start][:, valid[row, :start].bool()]
+                whole = drafter(noise_embeds=embedding(ids), context_hidden_states=context).last_hidden_state
+                assert (cached[index] - whole[0, 1:]).abs().max() < 1e-5, (round_index, row, context.shape[1])
+
+
+@pytest.mark.parametrize("name", ["one_sliding_4_causal", "zlab_all_sliding_16_bidirectional"])
+def test_batched_generation_with_a_sliding_drafter_matches_plain_batched_greedy(name):
+    target = make_target("qwen3")
+    drafter = sliding_drafter(target, name)
+    input_ids, attention_mask = random_batch(torch.Generator().manual_seed(5), 4, shortest=3, longest=14)
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=PAD)
+    expected = target.generate(input_ids, eos_token_id=None, **kwargs)
+    assert torch.equal(target.generate(input_ids, assistant_model=drafter, eos_token_id=None, **kwargs), expected)
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))

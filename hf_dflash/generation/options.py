@@ -81,8 +81,8 @@ def reachable_slots(max_length: int, round_width: int, holes: bool = False) -> i
 def check_cache(cache, drafter: DFlashDraftModel, generation_config: GenerationConfig, input_ids) -> None:
     """The target cache must exist and roll back; with several rows it must be a DynamicCache whose sliding
     windows (if any) generation cannot reach, since the holes of rejected drafts would shift a window (a
-    window counts slots), or a StaticCache without windows, and the drafter must have no sliding-window
-    layers for the same reason."""
+    window counts slots), or a StaticCache without windows. A drafter's windows need no check: with several
+    rows its cache keeps every slot and its mask counts a window in tokens (`BlockDrafter`)."""
     if cache is None:
         raise ValueError("DFlash generation needs a target cache; do not pass use_cache=False.")
     fixed = sorted({type(layer).__name__ for layer in cache.layers if not getattr(layer, "is_croppable", True)})
@@ -117,10 +117,6 @@ def check_cache(cache, drafter: DFlashDraftModel, generation_config: GenerationC
                 f"Batched DFlash does not support a target sliding window ({window} tokens) that generation can "
                 f"reach (up to {reachable} cache slots); generate one prompt at a time."
             )
-    if "sliding_attention" in drafter.config.layer_types:
-        raise ValueError(
-            "Batched DFlash does not support drafters with sliding-window layers; pass one prompt at a time."
-        )
 
 
 def verifies_trees(model: PreTrainedModel, cache, max_length: int, max_nodes: int) -> bool:

@@ -55,21 +55,27 @@ def dflash_attention_mask(
 
     Queries are the last `query_length` keys. Full-attention layers (`sliding_window=None`): every
     query sees every non-padding key (the block is bidirectional and sees all context). Sliding
-    layers: a key at most `sliding_window - 1` positions before the query; inside the block causal
-    (`block_causal`, SpecForge) or bidirectional (`config.sliding_window_non_causal`). Returns None
-    when nothing is masked, so SDPA runs unmasked.
+    layers: a key at most `sliding_window - 1` tokens before the query; inside the block causal
+    (`block_causal`, SpecForge) or bidirectional (`config.sliding_window_non_causal`). A window counts
+    tokens, not cache slots: a key's token position is the number of valid slots (`attention_mask`)
+    before it, so padding and the holes rejected drafts leave in a batched cache do not shorten it.
+    Returns None when nothing is masked, so SDPA runs unmasked.
     """
     if sliding_window is None:
         if attention_mask is None or bool(attention_mask.all()):
             return None
         return attention_mask[:, None, None, :key_length].bool().expand(-1, 1, query_length, -1)
     device = attention_mask.device if attention_mask is not None else None
-    query_index = torch.arange(key_length - query_length, key_length, device=device)[:, None]
-    key_index = torch.arange(key_length, device=device)[None, :]
-    mask = query_index - key_index < sliding_window  # later keys (only block keys) pass this test
+    key_index = torch.arange(key_length, device=device)
+    if attention_mask is None:
+        position = key_index[None]  # (1, kv): every slot holds a token
+    else:
+        position = attention_mask[:, :key_length].long().cumsum(-1) - 1  # (B, kv) token position of each slot
+    distance = position[:, -query_length:, None] - position[:, None, :]  # (B or 1, q, kv)
+    mask = distance < sliding_window  # later keys (only block keys) pass this test
     if block_causal:
-        mask = mask & (key_index <= query_index)
-    mask = mask[None, None]
+        mask = mask & (key_index[None, :] <= key_index[-query_length:, None])
+    mask = mask[:, None]
     if attention_mask is not None:
         mask = mask & attention_mask[:, None, None, :key_length].bool()
     return mask

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import LogitsProcessorList, PreTrainedModel
+from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel
 from transformers.generation.logits_process import TemperatureLogitsWarper
 
 from ...caches import compact_cache, needs_compaction
@@ -78,6 +78,14 @@ def at_temperature(logits_processor, temperature: float) -> LogitsProcessorList:
     return LogitsProcessorList([warper if isinstance(p, TemperatureLogitsWarper) else p for p in processors])
 
 
+def context_cache(config, rows: int) -> DynamicCache:
+    """The drafter's context cache for `rows` rows. One row: `drafter_cache`, whose sliding-window layers keep
+    their window of slots and roll the block back. Several rows: every layer keeps all its slots, since a batch's
+    slots have holes (padding, rejected drafts) and a sliding layer that evicts by slot count would drop keys still
+    inside the window; the drafter's mask applies each window in token positions instead."""
+    return drafter_cache(config) if rows == 1 else DynamicCache()
+
+
 class BlockDrafter:
     """Drafts `[bonus, MASK x (k - 1)]` blocks for B rows in one drafter pass per round."""
 
@@ -85,7 +93,7 @@ class BlockDrafter:
         self.drafter = drafter
         self.embedding = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
-        self.cache = drafter_cache(drafter.config)  # sliding-window layers roll the block back
+        self.cache: DynamicCache | None = None  # chosen by the first pass, for its rows (`context_cache`)
         self.draft_temperature = draft_temperature(drafter)
         self.mask: torch.Tensor | None = None  # (B, T) validity of the cached context slots
         self.pending: torch.Tensor | None = None  # (B, C, n*Ht) target features not read yet
@@ -116,6 +124,8 @@ class BlockDrafter:
         self.mask = torch.cat([past_mask, context_mask], 1)
         positions = torch.cat([context_positions, block_positions], 1)
         mask = torch.cat([self.mask, self.mask.new_ones(bonus.shape[0], block_length)], 1)
+        if self.cache is None:
+            self.cache = context_cache(self.drafter.config, rows=bonus.shape[0])
         return drafter_pass(self.drafter, self.embedding, self.cache, bonus, context, positions, block_length, mask)
 
     def rewind(self, slots: int) -> None:
