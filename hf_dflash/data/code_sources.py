@@ -83,13 +83,19 @@ def function_prompts(package: str, module: str, source: str) -> list[tuple[str, 
     return prompts
 
 
+def band_sizes(shortest: int, longest: int) -> list[int]:
+    """The sizes a cut rotates over so its pieces spread over [shortest, longest]: shortest, a third and two thirds
+    of the way to longest."""
+    return [shortest + step * (longest - shortest) // 3 for step in range(3)]
+
+
 def file_chunks(source: str, shortest: int, longest: int) -> list[tuple[int, str, str | None]]:
     """Runs of consecutive top-level statements of `source` (comments between them kept). A run closes once it
     holds at least its size, which rotates over `shortest`, a third and two thirds of the way to `longest` (the
     prompts spread over the band); a run over `longest` (a huge class) is dropped, as is a short tail.
     Returns (first line, text, first public function or class defined in it, else None)."""
     lines = source.splitlines()
-    sizes = [shortest + step * (longest - shortest) // 3 for step in range(3)]
+    sizes = band_sizes(shortest, longest)
     chunks, start, name = [], None, None
     for node in ast.parse(source).body:
         if start is None:

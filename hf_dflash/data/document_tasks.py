@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .code_sources import band_sizes
+
 __all__ = [
     "DOCUMENT_CHARS",
     "DOCUMENT_TASKS",
@@ -86,7 +88,7 @@ def news_bundles(
     """Consecutive articles of one section joined into bundles: a bundle closes once its articles hold at least
     its size (rotating over `shortest`, a third and two thirds of the way to `longest`, as code files are cut); a
     bundle over `longest` and a section's short tail are dropped. Returns (section, file stems, texts)."""
-    sizes = [shortest + step * (longest - shortest) // 3 for step in range(3)]
+    sizes = band_sizes(shortest, longest)
     bundles, section, stems, texts = [], None, [], []
     for article_section, stem, text in articles:
         if article_section != section:
