@@ -27,6 +27,7 @@ data/README.md says which prompt ranges the parts hold.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -83,12 +84,31 @@ def regenerate(args: argparse.Namespace, work: Path) -> None:
     start, end = prompt_range(len(corpus), args.start, args.end)
     prompts = select_prompts(corpus, start, end, args.sources)
     torch.set_num_threads(args.threads)
+    record_threads(work, args.threads)
     model, tokenizer = load_target(args.target, dtype=args.dtype)
     regenerate_responses(
         model, tokenizer, prompts, work / "responses", max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size, shard_size=args.shard_size, max_prompt_tokens=args.max_prompt_tokens, seed=0,
         temperature=args.temperature,
     )  # fmt: skip
+
+
+def record_threads(work: Path, threads: int) -> None:
+    """Add `threads` to the thread counts the regeneration of WORK has run with (WORK/threads.json), for the
+    manifest note that `--pack` writes."""
+    path = work / "threads.json"
+    counts = set(json.loads(path.read_text())) if path.is_file() else set()
+    work.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(sorted(counts | {threads})))
+
+
+def threads_used(work: Path) -> str:
+    """The thread counts WORK's regeneration ran with, e.g. "2" or "1 or 2" ("an unrecorded number of" before
+    they were recorded)."""
+    path = work / "threads.json"
+    if not path.is_file():
+        return "an unrecorded number of"
+    return " or ".join(str(count) for count in json.loads(path.read_text()))
 
 
 def pack(args: argparse.Namespace, work: Path) -> int:
@@ -123,7 +143,7 @@ def tokenize_and_pack(args: argparse.Namespace, work: Path) -> int:
         span += f" of the sources {', '.join(args.sources)}"
     note = (
         f"corpus prompts {span} ({os.path.relpath(args.prompts, REPO.parent)}), regenerated {decoding} in {dtype} with "
-        f"{batching} ({args.batch_size} rows, shards of {args.shard_size}), {args.threads} torch thread(s) "
+        f"{batching} ({args.batch_size} rows, shards of {args.shard_size}), {threads_used(work)} torch thread(s) "
         f"per job, prompts <= {args.max_prompt_tokens} tokens, <= {args.max_new_tokens} new tokens, by "
         f"scripts/regenerate_range.py; tokenized max_length {args.max_length}, block_size 8 (>= 16 supervised tokens)"
     )

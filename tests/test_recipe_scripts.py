@@ -374,6 +374,18 @@ def test_regenerate_range_refuses_a_negative_or_out_of_range_span(tmp_path, monk
     assert not (tmp_path / "work").exists()
 
 
+def test_regenerate_range_notes_the_threads_the_regeneration_ran_with_not_those_given_to_pack(tmp_path):
+    """A part regenerated with 2 threads and packed by a call with the default 1 says 2 in its manifest note; a
+    resumed run with another count adds it."""
+    work = tmp_path / "work"
+    assert regenerate_range.threads_used(work) == "an unrecorded number of"
+    regenerate_range.record_threads(work, 2)
+    regenerate_range.record_threads(work, 2)
+    assert regenerate_range.threads_used(work) == "2"
+    regenerate_range.record_threads(work, 1)
+    assert regenerate_range.threads_used(work) == "1 or 2"
+
+
 def test_regenerate_range_sources_keeps_only_those_sources_in_corpus_order(tmp_path, monkeypatch, capsys):
     """`--sources code,chat` regenerates only the range's prompts of those sources (a part aimed at what a drafter
     lacks), in corpus order; a source the range does not hold is an error naming the ones it does."""
