@@ -486,6 +486,37 @@ def test_training_record_callback(tmp_path, drafter_dir):
     assert "| gsm8k | 6 |" in (out / "README.md").read_text()
 
 
+def test_the_training_time_of_a_resumed_run_adds_the_time_its_checkpoint_holds(tmp_path, monkeypatch):
+    """A run trained 100 s, saved, then resumed for 50 s records 150 s; a checkpoint from before the time was saved
+    (no state of this callback) counts from zero and gets room for the callback's state."""
+    import hf_dflash.hub_cards.record as record_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(record_module.time, "perf_counter", lambda: clock[0])
+    args = DFlashTrainingArguments(output_dir=str(tmp_path / "run"), block_size=4, num_anchors=8, report_to=[])
+    first = TrainingRecordCallback({"chats": 8})
+    first.on_train_begin(args, TrainerState(), None)
+    clock[0] += 100.0
+    saved = first.state()
+    assert saved == {"args": {"data_sources": {"chats": 8}}, "attributes": {"earlier_training_time_s": 100.0}}
+
+    resumed = TrainingRecordCallback(**saved["args"])
+    state = TrainerState(global_step=750, stateful_callbacks={"TrainingRecordCallback": saved})
+    resumed.on_train_begin(args, TrainerState(), None)  # Trainer loads the checkpoint's state after this call
+    resumed.on_step_begin(args, state, None)
+    clock[0] += 50.0
+    resumed.on_step_begin(args, state, None)  # read once
+    resumed.on_train_end(args, state, None)
+    assert load_training_record(tmp_path / "run" / "training_record.json")["training_time_s"] == 150.0
+
+    old = TrainerState(global_step=750)  # a checkpoint written before this callback saved its time
+    older = TrainingRecordCallback({"chats": 8})
+    older.on_train_begin(args, TrainerState(), None)
+    older.on_step_begin(args, old, None)
+    clock[0] += 20.0
+    assert older.training_time_s() == 20.0 and "TrainingRecordCallback" in old.stateful_callbacks
+
+
 # ---------------------------------------------------------------- CLI and push
 
 

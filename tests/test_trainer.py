@@ -2,12 +2,14 @@
 normalisation over gradient accumulation, end-to-end training, resume after a crash."""
 
 import copy
+import json
 
 import pytest
 import torch
 from transformers import AutoModel, TrainerCallback
 
 from hf_dflash import DFlashDraftModel
+from hf_dflash.hub_cards import TrainingRecordCallback
 from hf_dflash.trainer import DFlashDataCollator, DFlashTrainer, DFlashTrainingArguments, compute_target_features
 from hf_dflash.trainer.forward import dflash_training_forward
 from hf_dflash.trainer.trainer import check_fsdp_settings
@@ -142,11 +144,16 @@ def test_resume_after_crash_continues_from_last_checkpoint(tmp_path):
 
     uninterrupted = run(tmp_path / "straight")
     with pytest.raises(RuntimeError, match="simulated crash"):
-        run(tmp_path / "crashy", callbacks=[CrashAt(5)])
+        run(tmp_path / "crashy", callbacks=[CrashAt(5), TrainingRecordCallback({"chats": 8})])
     assert (tmp_path / "crashy" / "checkpoint-4" / "model.safetensors").exists()
-    resumed = run(tmp_path / "crashy", resume=True)
+    state = json.loads((tmp_path / "crashy" / "checkpoint-4" / "trainer_state.json").read_text())
+    before_crash = state["stateful_callbacks"]["TrainingRecordCallback"]["attributes"]["earlier_training_time_s"]
+    resumed = run(tmp_path / "crashy", callbacks=[TrainingRecordCallback({"chats": 8})], resume=True)
     for key in uninterrupted:
         torch.testing.assert_close(resumed[key], uninterrupted[key], rtol=1e-5, atol=1e-6)
+    # the record's training time is the whole run's: the checkpoint's time before the crash, plus the resumed part
+    record = json.loads((tmp_path / "crashy" / "training_record.json").read_text())
+    assert 0 < before_crash < record["training_time_s"] and record["global_steps"] == 6
 
 
 def test_arguments_validate():

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_callback import ExportableState
 
 from ..json_files import read_json_object, write_atomic
 from .schemas import TRAINING_RECORD_NAME, validate_training_record
@@ -99,8 +100,11 @@ def write_training_record(record: dict, path: str | os.PathLike) -> Path:
     return out
 
 
-class TrainingRecordCallback(TrainerCallback):
+class TrainingRecordCallback(TrainerCallback, ExportableState):
     """Writes `training_record.json` into `args.output_dir` when training ends (main process only).
+
+    `training_time_s` is the wall time of the whole run: each checkpoint's `trainer_state.json` holds the time
+    trained so far (this callback's exported state), and a resumed run adds its own to it.
 
     Args:
         data_sources: samples (prompts) per data source, e.g. `{"sharegpt": 5000, "gsm8k": 3000}`.
@@ -130,13 +134,42 @@ class TrainingRecordCallback(TrainerCallback):
             "init_from": init_from,
         }
         self.fixed = {"data_sources": dict(data_sources), **{k: v for k, v in optional.items() if v is not None}}
+        self.init_args = dict(self.fixed)  # recreates this callback (`restore_callback_states_from_checkpoint`)
         # Check the caller's part now, not after hours of training.
         placeholder = {"hyperparameters": {}, "training_time_s": 0.0}
         validate_training_record({**self.fixed, **placeholder}, "TrainingRecordCallback")
         self.start: float | None = None
+        self.earlier_training_time_s = 0.0  # trained before this process: read from the checkpoint resumed
+        self.resume_checked = False
+
+    def training_time_s(self) -> float:
+        """Seconds trained so far: before a resume, plus this process's since `on_train_begin`."""
+        since_start = time.perf_counter() - self.start if self.start is not None else 0.0
+        return self.earlier_training_time_s + since_start
+
+    def state(self) -> dict:
+        """What `Trainer` saves in each checkpoint's `trainer_state.json` (`ExportableState`)."""
+        return {"args": self.init_args, "attributes": {"earlier_training_time_s": round(self.training_time_s(), 3)}}
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         self.start = time.perf_counter()
+        self.earlier_training_time_s, self.resume_checked = 0.0, False
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        # The first step sees the state a resumed run loaded (after `on_train_begin`): take its time trained. A
+        # checkpoint written before this callback exported state has none; make room for ours, since Trainer
+        # (transformers 5.25) raises a KeyError saving a stateful callback its loaded state does not list.
+        if self.resume_checked:
+            return
+        self.resume_checked = True
+        if self.start is None:  # a callback Trainer recreated from the checkpoint, after `on_train_begin`
+            self.start = time.perf_counter()
+        name = type(self).__name__
+        saved = state.stateful_callbacks.get(name)
+        saved = saved[0] if isinstance(saved, list) and saved else saved
+        if state.global_step > 0 and isinstance(saved, dict):
+            self.earlier_training_time_s = float(saved.get("attributes", {}).get("earlier_training_time_s", 0.0))
+        state.stateful_callbacks.setdefault(name, self.state())
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         if not state.is_world_process_zero or self.start is None:
@@ -144,7 +177,7 @@ class TrainingRecordCallback(TrainerCallback):
         record = {
             **self.fixed,
             "hyperparameters": hyperparameters_from_args(args),
-            "training_time_s": round(time.perf_counter() - self.start, 3),
+            "training_time_s": round(self.training_time_s(), 3),
             "global_steps": state.global_step,
         }
         metrics = final_metrics_from_state(state)
