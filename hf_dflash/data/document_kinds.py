@@ -44,8 +44,6 @@ __all__ = [
 
 PAPERS = DocumentKind(
     one="this excerpt from a research paper",
-    several="this excerpt from a research paper",
-    label=None,
     tasks=(
         "Summarise {docs} for a non-specialist in one paragraph, then list its three main points.",
         "Write a peer review of {docs}: strengths, weaknesses, and questions for the authors.",
@@ -77,8 +75,6 @@ PAPERS = DocumentKind(
 )
 SPEECHES = DocumentKind(
     one="this excerpt from {title}",
-    several="this excerpt from {title}",
-    label=None,
     tasks=(
         "Summarise {docs} in one paragraph, then list the main policy proposals.",
         "Extract every policy commitment, figure, and country or institution named in {docs} into a table.",
@@ -109,8 +105,6 @@ SPEECHES = DocumentKind(
 )
 PLAYS = DocumentKind(
     one="this excerpt from Shakespeare's {title}",
-    several="this excerpt from Shakespeare's {title}",
-    label=None,
     tasks=(
         "Summarise {docs} scene by scene, then explain what it reveals about the main characters.",
         "Rewrite {docs} as modern English prose, keeping every event.",

@@ -78,19 +78,20 @@ DOCUMENT_TASKS = (
 class DocumentKind:
     """How prompts on one kind of document are worded.
 
-    `one` / `several` name the material in a task (`{docs}`), for one part or several (they may hold `{title}`, the
-    work's title); `label` numbers several parts ("Article 1: ..."), or is None when the parts are one continuous
-    excerpt (named by `one`, joined by blank lines). `tasks` hold `{docs}` and may hold `{section}` / `{title}` (the
-    bundle's group: a news section, a paper's, speech's or play's title); `personas` open every other prompt."""
+    `one` names the material in a task (`{docs}`; it may hold `{title}`, the work's title). `tasks` hold `{docs}` and
+    may hold `{section}` / `{title}` (the bundle's group: a news section, or a paper's, speech's or play's title);
+    `personas` open every other prompt. Several parts are numbered (`label`, e.g. "Article 1: ...") and named
+    `several` (e.g. "these articles"); without a label they are one continuous excerpt, named by `one` and joined by
+    blank lines."""
 
     one: str
-    several: str
-    label: str | None
     tasks: tuple[str, ...]
     personas: tuple[str, ...]
+    several: str | None = None
+    label: str | None = None
 
 
-NEWS = DocumentKind("this article", "these articles", "Article", DOCUMENT_TASKS, PERSONAS)
+NEWS = DocumentKind("this article", DOCUMENT_TASKS, PERSONAS, several="these articles", label="Article")
 
 
 def news_articles(folder: Path) -> list[tuple[str, str, str]]:
@@ -134,7 +135,7 @@ def document_prompt(index: int, section: str, texts: list[str], kind: DocumentKi
     a work's title), preceded by a persona on odd indices; the parts follow the request on indices 0 and 1 mod 4,
     lead it otherwise."""
     several = len(texts) > 1 and kind.label is not None
-    docs = (kind.several if several else kind.one).format(title=section)
+    docs = (kind.several if several and kind.several else kind.one).format(title=section)
     task = kind.tasks[index % len(kind.tasks)].format(docs=docs, section=section, title=section)
     if index % 2:
         task = f"{kind.personas[(index // 2) % len(kind.personas)]} {task}"
