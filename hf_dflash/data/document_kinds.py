@@ -17,7 +17,7 @@ paper, a speech, a play, ...) so that any prefix of the source, a held-out set i
 
     >>> from hf_dflash.data.sources import load_source   # where the source is registered
     >>> load_source("document-tasks", limit=3)[1]["id"]
-    'document-tasks:speech/1790-Washington-1/000-014'
+    'document-tasks:speech/1790-Washington-1/000-011'
 """
 
 from __future__ import annotations

@@ -134,7 +134,6 @@ class TrainingRecordCallback(TrainerCallback, ExportableState):
             "init_from": init_from,
         }
         self.fixed = {"data_sources": dict(data_sources), **{k: v for k, v in optional.items() if v is not None}}
-        self.init_args = dict(self.fixed)  # recreates this callback (`restore_callback_states_from_checkpoint`)
         # Check the caller's part now, not after hours of training.
         placeholder = {"hyperparameters": {}, "training_time_s": 0.0}
         validate_training_record({**self.fixed, **placeholder}, "TrainingRecordCallback")
@@ -149,7 +148,8 @@ class TrainingRecordCallback(TrainerCallback, ExportableState):
 
     def state(self) -> dict:
         """What `Trainer` saves in each checkpoint's `trainer_state.json` (`ExportableState`)."""
-        return {"args": self.init_args, "attributes": {"earlier_training_time_s": round(self.training_time_s(), 3)}}
+        # `args` recreate this callback (`restore_callback_states_from_checkpoint`): `fixed` holds its arguments
+        return {"args": self.fixed, "attributes": {"earlier_training_time_s": round(self.training_time_s(), 3)}}
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         self.start = time.perf_counter()
