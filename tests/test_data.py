@@ -676,7 +676,7 @@ def test_document_tasks_read_the_pinned_packages_interleave_kinds_and_drop_what_
         "play/a-midsummer-night-s-dream/00-00",
     ]
     assert [i.split("/")[0] for i in ids].count("play") == 208 and not any(i.startswith("paper/P15") for i in ids)
-    assert "document-tasks" not in sources.DEFAULT_TRAIN_SOURCES  # asked for by name until a drafter is measured
+    assert "document-tasks" not in sources.DEFAULT_TRAIN_SOURCES  # v11 trained on it: level on unseen documents
     sizes = sorted(len(r["messages"][0]["content"]) for r in records)
     assert 4000 < sizes[0] and sizes[-1] < 12400 and sizes[len(sizes) // 2] > 7000  # spread over the band
     index = corpus.build_eval_index(sources.load_eval_suite())
