@@ -408,7 +408,8 @@ def test_ctrl_c_during_regeneration_always_stops_the_recipe_and_a_rerun_resumes(
     import sys
 
     argv, config = tiny_recipe(tmp_path)
-    config["data"].update(max_new_tokens=48, shard_size=2, batch_size=2)
+    # 128 new tokens a reply: the 15 shards outlast the 1 s delay on a fast CPU (48 finished first once, 2026-12-07)
+    config["data"].update(max_new_tokens=128, shard_size=2, batch_size=2)
     config["bench"]["enabled"], config["heldout"] = False, {"enabled": False}
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(config))
     write_lines(tmp_path / "prompts.jsonl", [{"prompt": f"Tell me about the number {i}, please."} for i in range(30)])
