@@ -3,18 +3,16 @@
 Run under `accelerate launch --cpu --num_processes 2` (gloo) or as a plain single process.
 """
 
-import os
 import sys
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_dflash.trainer import DFlashTrainer  # noqa: E402
 from tests.conftest import make_drafter, make_target  # noqa: E402
-from tests.helpers.training import BLOCK, arguments, samples  # noqa: E402
+from tests.helpers.training import BLOCK, arguments, finish_launched_worker, samples  # noqa: E402
 
 
 def main(out_file: str, per_device_batch: int) -> None:
@@ -33,14 +31,7 @@ def main(out_file: str, per_device_batch: int) -> None:
     trainer.train()
     if trainer.is_world_process_zero():
         save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, out_file)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        # Every file is written: skip the interpreter's teardown, where the gloo group aborted a rank (torch 2.13:
-        # "terminate called without an active exception", SIGABRT) and destroy_process_group() once hung for 300 s,
-        # both in full test runs on a 2-core AMD EPYC (2026-12-07).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    finish_launched_worker()
 
 
 if __name__ == "__main__":

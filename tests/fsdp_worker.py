@@ -12,13 +12,11 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_dflash.trainer import DFlashTrainer  # noqa: E402
 from tests.conftest import make_drafter, make_target  # noqa: E402
-from tests.helpers.training import BLOCK, arguments, samples  # noqa: E402
+from tests.helpers.training import BLOCK, arguments, finish_launched_worker, samples  # noqa: E402
 
 
 class FSDPOnCPUTrainer(DFlashTrainer):
@@ -56,14 +54,7 @@ def main(out_dir: str, per_device_batch: int, max_steps: int, resume: str | None
     if trainer.is_world_process_zero():
         losses = {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
         (Path(out_dir) / "losses.json").write_text(json.dumps(losses))
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        # Every file is written: skip the interpreter's teardown, where the gloo group aborted a rank (torch 2.13:
-        # "terminate called without an active exception", SIGABRT) and destroy_process_group() once hung for 300 s,
-        # both in full test runs on a 2-core AMD EPYC (2026-12-07).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    finish_launched_worker()
 
 
 if __name__ == "__main__":
