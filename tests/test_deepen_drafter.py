@@ -27,7 +27,9 @@ def draft_inputs(drafter, seed=0):
     return noise, context
 
 
-@pytest.mark.parametrize("overrides", [{}, {"sliding_window": 4, "layer_types": ["full_attention", "sliding_attention"]}])
+@pytest.mark.parametrize(
+    "overrides", [{}, {"sliding_window": 4, "layer_types": ["full_attention", "sliding_attention"]}]
+)
 def test_a_deepened_drafter_drafts_exactly_as_its_source(tmp_path, overrides):
     source = make_drafter(make_target("qwen3"), block_size=4, **overrides)
     with torch.no_grad():  # a "trained" drafter: no weight at its init value
