@@ -9,6 +9,7 @@ import torch
 
 from hf_dflash.checkpoints import load_drafter
 from hf_dflash.checkpoints.hub import save_hub
+from hf_dflash.trainer.upgrade import deeper_drafter
 from tests.conftest import make_drafter, make_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +50,7 @@ def test_a_deepened_drafter_drafts_exactly_as_its_source(tmp_path, overrides):
 
 def test_the_new_layers_learn_from_the_first_step():
     """Zero output projections get gradients at once (a layer zeroed throughout would stay dead)."""
-    grown = deepen.deepened(make_drafter(make_target("llama"), block_size=4), add_layers=1).train()
+    grown = deeper_drafter(make_drafter(make_target("llama"), block_size=4), add_layers=1).train()
     noise, context = draft_inputs(grown)
     grown(noise, context).last_hidden_state.pow(2).sum().backward()
     new_layer = grown.layers[-1]
@@ -60,7 +61,7 @@ def test_the_new_layers_learn_from_the_first_step():
 @pytest.mark.parametrize("add_layers", [0, -1, 1.5, True])
 def test_a_layer_count_that_is_not_a_positive_integer_is_refused(add_layers):
     with pytest.raises(ValueError, match="--add-layers"):
-        deepen.deepened(make_drafter(make_target("llama")), add_layers)
+        deeper_drafter(make_drafter(make_target("llama")), add_layers)
 
 
 def test_the_cli_refuses_to_write_over_a_folder_and_names_it(tmp_path, capsys):

@@ -1,13 +1,19 @@
-"""A DFlash2 drafter that starts as a trained DFlash one (issue 34, part 3: v6 from v5).
+"""Drafters grown from a trained one that compute exactly its outputs until trained.
 
-The DFlash2 parts start at identity: each convolution's base tap 0 = 1 and everything else 0, the
-selector's hidden projection 0 (its codebooks random, so the projection receives gradients). The new
-drafter then computes exactly the old one's outputs, and its greedy selector walk is the old greedy chain.
+A DFlash2 drafter from a DFlash one (issue 34, part 3: v6 from v5): the DFlash2 parts start at identity, each
+convolution's base tap 0 = 1 and everything else 0, the selector's hidden projection 0 (its codebooks random, so the
+projection receives gradients); its greedy selector walk is the old greedy chain.
+
+A deeper drafter: decoder layers appended after the last one, fresh but for their two output projections
+(`self_attn.o_proj`, `mlp.down_proj`), which start at zero, so each new residual branch adds nothing; the zero
+projections receive gradients at once, the rest of the layer as soon as they leave zero.
 """
 
 from __future__ import annotations
 
 import copy
+
+import torch
 
 from ..modeling_dflash import DFlashDraftModel
 from ..modeling_dflash.configuration_dflash import DFLASH2_FIELDS
@@ -44,4 +50,29 @@ def dflash2_from_dflash(
     return upgraded.train(drafter.training)
 
 
-__all__ = ["dflash2_from_dflash"]
+def deeper_drafter(drafter: DFlashDraftModel, add_layers: int) -> DFlashDraftModel:
+    """`drafter` with `add_layers` more decoder layers after its last (each of the last layer's type), the new
+    layers' output projections zero, on `drafter`'s device and dtype.
+
+    Raises:
+        ValueError: `add_layers` is not a positive integer.
+    """
+    if isinstance(add_layers, bool) or not isinstance(add_layers, int) or add_layers < 1:
+        raise ValueError(f"--add-layers {add_layers!r}: must be a positive integer (the decoder layers to append).")
+    config = copy.deepcopy(drafter.config)
+    depth = config.num_hidden_layers
+    config.num_hidden_layers = depth + add_layers
+    config.layer_types = list(config.layer_types) + [config.layer_types[-1]] * add_layers
+    grown = DFlashDraftModel(config).to(device=drafter.device, dtype=drafter.dtype)
+    missing, unexpected = grown.load_state_dict(drafter.state_dict(), strict=False)
+    new_prefixes = tuple(f"layers.{index}." for index in range(depth, depth + add_layers))
+    if unexpected or any(not key.startswith(new_prefixes) for key in missing):
+        raise ValueError(f"the source drafter's weights do not fit its own config: {unexpected or missing}")
+    with torch.no_grad():
+        for layer in grown.layers[depth:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return grown.train(drafter.training)
+
+
+__all__ = ["deeper_drafter", "dflash2_from_dflash"]
